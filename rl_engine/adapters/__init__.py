@@ -1,0 +1,1 @@
+"""Engine adapters. Import them explicitly: ``rl_engine.adapters.vllm`` / ``.megatron`` / ``.hf``."""

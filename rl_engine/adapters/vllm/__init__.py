@@ -1,0 +1,1 @@
+"""vLLM rollout adapter (see docs/adapters/vllm.md)."""

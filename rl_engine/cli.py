@@ -1,0 +1,62 @@
+"""``rl-engine`` command line: ``check`` (registry + invariance self-test) and ``audit``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+from rl_engine.registry import _OP_MODULES, KernelRegistry
+
+
+def _check(args: argparse.Namespace) -> int:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"rl_engine check on {device} (torch {torch.__version__})")
+    print(f"{'op':<14} {'provider':<10} {'numerics':<30} self-test")
+    failures = 0
+    for op_type in KernelRegistry.known_ops():
+        try:
+            op = KernelRegistry.get_op(op_type, device=device)
+        except Exception as exc:
+            print(f"{op_type:<14} {'-':<10} {'-':<30} UNAVAILABLE: {exc}")
+            failures += 1
+            continue
+        module = importlib.import_module(_OP_MODULES[op_type])
+        test = getattr(module, "self_test", None)
+        if test is None:
+            status = "FAIL: no self-test"
+            failures += 1
+        else:
+            t0 = time.perf_counter()
+            try:
+                test(device)
+                status = f"ok ({time.perf_counter() - t0:.2f} s)"
+            except Exception as exc:
+                status = f"FAIL: {type(exc).__name__}: {exc}"
+                failures += 1
+        print(f"{op_type:<14} {op.provider.name:<10} {op.numerics:<30} {status}")
+    print("all invariance self-tests passed" if not failures else f"{failures} op(s) failed")
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rl-engine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_check = sub.add_parser("check", help="show the registry's resolution and self-test every op")
+    p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p_check.set_defaults(func=_check)
+    try:
+        from rl_engine.audit.cli import add_parser as add_audit
+    except ImportError:
+        add_audit = None
+    if add_audit is not None:
+        add_audit(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

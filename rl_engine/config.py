@@ -1,0 +1,93 @@
+"""The one place that reads ``RL_ENGINE_*`` environment variables.
+
+Every other module asks this one. Availability checks of providers never read the environment
+(they get the device and nothing else), so a provider's answer does not change behind the
+registry's back.
+
+Variables:
+    RL_ENGINE_MODE: ``strict`` (default) or ``audit``.
+    RL_ENGINE_BACKEND: pin every op to one provider name (e.g. ``native`` or ``triton``).
+    RL_ENGINE_BACKEND_<OP>: pin one op (e.g. ``RL_ENGINE_BACKEND_DET_GEMM=triton``); wins over
+        ``RL_ENGINE_BACKEND``.
+    RL_ENGINE_VLLM: ``1`` switches the vLLM plugin on inside vLLM's processes.
+    RL_ENGINE_PROVENANCE_DIR: folder where adapters write the registry report of their process.
+    TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+_PREFIX = "RL_ENGINE_"
+_MODES = ("strict", "audit")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A snapshot of the configuration."""
+
+    mode: str = "strict"
+    backend: str | None = None
+    op_backends: dict[str, str] = field(default_factory=dict)
+    vllm_plugin: bool = False
+    provenance_dir: str | None = None
+    triton_interpret: bool = False
+
+    def pin_for(self, op_type: str) -> str | None:
+        """The provider pinned for ``op_type`` by configuration, or ``None``."""
+        return self.op_backends.get(op_type, self.backend)
+
+
+def _read(environ: dict[str, str] | os._Environ) -> Settings:
+    mode = environ.get(_PREFIX + "MODE", "strict").strip().lower() or "strict"
+    if mode not in _MODES:
+        raise ValueError(f"{_PREFIX}MODE={mode!r}: expected one of {_MODES}")
+    op_backends = {}
+    for key, value in environ.items():
+        if key.startswith(_PREFIX + "BACKEND_") and value.strip():
+            op_backends[key[len(_PREFIX + "BACKEND_") :].lower()] = value.strip().lower()
+    backend = environ.get(_PREFIX + "BACKEND", "").strip().lower() or None
+    return Settings(
+        mode=mode,
+        backend=backend,
+        op_backends=op_backends,
+        vllm_plugin=environ.get(_PREFIX + "VLLM", "0").strip().lower() in _TRUE,
+        provenance_dir=environ.get(_PREFIX + "PROVENANCE_DIR") or None,
+        triton_interpret=environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE,
+    )
+
+
+_settings: Settings | None = None
+
+
+def settings() -> Settings:
+    """The current configuration (read from the environment once, then cached)."""
+    global _settings
+    if _settings is None:
+        _settings = _read(os.environ)
+    return _settings
+
+
+def reload() -> Settings:
+    """Re-read the environment (tests and CLIs that change variables call this)."""
+    global _settings
+    _settings = None
+    return settings()
+
+
+def set_mode(mode: str) -> None:
+    """Switch between ``strict`` and ``audit`` for this process."""
+    global _settings
+    if mode not in _MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {_MODES}")
+    current = settings()
+    _settings = Settings(
+        mode=mode,
+        backend=current.backend,
+        op_backends=dict(current.op_backends),
+        vllm_plugin=current.vllm_plugin,
+        provenance_dir=current.provenance_dir,
+        triton_interpret=current.triton_interpret,
+    )

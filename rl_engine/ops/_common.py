@@ -1,0 +1,71 @@
+"""Shared helpers of the ops: input checks, fixed-order reductions, provider resolution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tensor(name: str, t: Any, *, dims: int | tuple[int, ...] | None = None) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``t`` is a tensor of the right rank."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dims is not None:
+        allowed = (dims,) if isinstance(dims, int) else dims
+        if t.dim() not in allowed:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}"
+            )
+
+
+def check_float(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of {list(dtypes)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        desc = ", ".join(f"{n} on {d}" for n, d in devs.items())
+        raise ValueError(f"expected all tensors on one device, got {desc}")
+
+
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    dts = {n: t.dtype for n, t in tensors.items() if t is not None}
+    if len(set(dts.values())) > 1:
+        desc = ", ".join(f"{n}: {d}" for n, d in dts.items())
+        raise TypeError(f"expected one dtype, got {desc}")
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` in a fixed pairwise order that depends only on ``x.shape[dim]``.
+
+    The length is zero-padded to a power of two ``L``; then, repeatedly, element ``i`` of the
+    first half is added to element ``i`` of the second half. Each step is an elementwise add
+    (exact IEEE, no reassociation), so every output element is computed by the same sequence of
+    operations whatever the other dimensions are: the sum is invariant to batch size, position
+    and the contents of other rows by construction.
+    """
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n == 0:
+        return x.sum(dim)  # exact: empty sum is zero
+    length = 1 << (n - 1).bit_length()
+    if length != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = length - n
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    while length > 1:
+        length //= 2
+        x = x.narrow(dim, 0, length) + x.narrow(dim, length, length)
+    return x.squeeze(dim)
+
+
+def device_of(*tensors: torch.Tensor | None) -> torch.device:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")

@@ -1,0 +1,126 @@
+"""``det_gemm``: batch- and column-invariant ``a @ b (+ bias)`` with deterministic backward.
+
+Custom ops: ``rl_engine::det_gemm(a, b, bias, provider)`` and
+``rl_engine::det_gemm_wgrad(a, grad, provider)`` (fp32 ``a.t() @ grad``, fixed row-chunk order).
+Backward: ``da = det_gemm(grad, b.t())`` (row invariant), ``db = det_gemm_wgrad(a, grad)``,
+``dbias = det_gemm_wgrad(ones[M, 1], grad)`` (the same fixed row order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.det_gemm import reference, stock
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["det_gemm"]
+
+
+@torch.library.custom_op("rl_engine::det_gemm", mutates_args=())
+def _det_gemm_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, provider: str
+) -> torch.Tensor:
+    return KernelRegistry.provider("det_gemm", provider).fn(a, b, bias)
+
+
+@_det_gemm_op.register_fake
+def _(a, b, bias, provider):
+    reference._check(a, b, bias)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("rl_engine::det_gemm_wgrad", mutates_args=())
+def _det_gemm_wgrad_op(a: torch.Tensor, grad: torch.Tensor, provider: str) -> torch.Tensor:
+    return KernelRegistry.provider("det_gemm", provider).extras["wgrad"](a, grad)
+
+
+@_det_gemm_wgrad_op.register_fake
+def _(a, grad, provider):
+    return a.new_empty((a.shape[1], grad.shape[1]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, provider = inputs
+    ctx.save_for_backward(a, b)
+    ctx.provider = provider
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad = grad.to(a.dtype)
+    da = db = dbias = None
+    if ctx.needs_input_grad[0]:
+        da = _det_gemm_op(grad, b.t(), None, ctx.provider)
+    if ctx.needs_input_grad[1]:
+        db = _det_gemm_wgrad_op(a, grad, ctx.provider).to(b.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        ones = grad.new_ones((grad.shape[0], 1))
+        dbias = _det_gemm_wgrad_op(ones, grad, ctx.provider)[0].to(grad.dtype)
+    return da, db, dbias, None
+
+
+_det_gemm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, provider: str
+) -> torch.Tensor:
+    reference._check(a, b, bias)
+    return _det_gemm_op(a, b, bias, provider)
+
+
+def det_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant ``a @ b (+ bias)`` through the provider the registry resolves.
+
+    See :func:`rl_engine.ops.det_gemm.reference.det_gemm` for the contract.
+    """
+    reference._check(a, b, bias)
+    provider = resolve_provider("det_gemm", a.device.type, backend)
+    return _entry(a, b, bias, provider=provider)
+
+
+KernelRegistry.register_op("det_gemm", entry=_entry, reference=reference.det_gemm)
+KernelRegistry.register_provider(
+    Provider(
+        op="det_gemm",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="det_gemm/native-k16",
+        fn=reference.det_gemm,
+        extras={"wgrad": reference.det_gemm_wgrad},
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="det_gemm",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="det_gemm/stock-torch",
+        fn=stock.det_gemm,
+        extras={"wgrad": stock.det_gemm_wgrad},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Quick bitwise row / column invariance check (used by ``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        b = torch.randn(64, 48, generator=g).to(device=device, dtype=dtype)
+        x = torch.randn(67, 64, generator=g).to(device=device, dtype=dtype)
+        check_row_invariance(lambda t, b=b: det_gemm(t, b), x, counts=(1, 17, 33), what="det_gemm")
+        assert_bitwise(det_gemm(x, b[:, 5:9]), det_gemm(x, b)[:, 5:9], "det_gemm columns")

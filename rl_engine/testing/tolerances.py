@@ -1,0 +1,60 @@
+"""Central tolerance table: provider output vs a float64 evaluation of the same math.
+
+One justification per row. Forward tolerances are for the op's output dtype; "scaled" rows grow
+with the reduction length as ``sqrt(K / 1024)`` (random-walk growth of fp32 rounding), never less
+than the base value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# dtype -> (rtol, atol)
+FORWARD = {
+    # fp32 output, fp32 accumulation: error is a few ulps of the largest partial sums.
+    torch.float32: (1e-5, 1e-5),
+    # bf16 output: one final rounding (2^-8 relative) dominates; atol for values near zero.
+    torch.bfloat16: (1e-2, 1e-2),
+    # fp16 output: one final rounding (2^-11 relative); atol for values near zero.
+    torch.float16: (1e-3, 1e-3),
+}
+
+GRAD = {
+    # fp32 gradients: two chained fp32 reductions.
+    torch.float32: (1e-4, 1e-4),
+    # bf16 gradients: inputs to the backward GEMMs are themselves bf16-rounded.
+    torch.bfloat16: (2e-2, 5e-2),
+    # fp16 gradients: as bf16 with three more mantissa bits.
+    torch.float16: (5e-3, 1e-2),
+}
+
+# Ops whose result is fp32 whatever the input dtype (logp, entropy, ratio_kl, grpo_loss): the
+# input is exact in fp32, only the fp32 math rounds.
+FP32_OUT = (1e-5, 1e-5)
+
+
+def tolerance(
+    dtype: torch.dtype, *, grad: bool = False, k: int | None = None
+) -> tuple[float, float]:
+    """(rtol, atol) for ``dtype``; scaled by reduction length ``k`` when given."""
+    rtol, atol = (GRAD if grad else FORWARD)[dtype]
+    if k is not None and k > 1024:
+        s = math.sqrt(k / 1024)
+        rtol, atol = rtol * s, atol * s
+    return rtol, atol
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, what: str = ""
+) -> None:
+    """``torch.testing.assert_close`` on float64 copies, with max / mean abs error in the message."""
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    diff = (a - e).abs()
+    msg = (
+        f"{what}: max |err| {diff.max().item() if diff.numel() else 0:.3e}, "
+        f"mean |err| {diff.mean().item() if diff.numel() else 0:.3e} (rtol={rtol}, atol={atol})"
+    )
+    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=msg)
