@@ -1,0 +1,111 @@
+"""Tiny random Hugging Face checkpoints, generated locally with a fixed seed (no downloads).
+
+``make_tiny_model(path, arch="llama")`` writes ``config.json`` + ``model.safetensors`` (no
+tokenizer: prompts are token ids) that vLLM, transformers and the Megatron adapter all load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+_BASE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "initializer_range": 0.08,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[str, Any]):
+    import transformers
+
+    kw = dict(_BASE)
+    kw.update(overrides)
+    theta = kw.pop("rope_theta")
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    kw["tie_word_embeddings"] = tie_word_embeddings
+    kw["dtype"] = dtype
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**kw)
+        cfg.architectures = ["LlamaForCausalLM"]
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**kw)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**kw)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}; supported: {ARCHS}")
+    return cfg, cls
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    dtype: str = "float32",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """Write a tiny random ``arch`` checkpoint to ``path`` and return the path.
+
+    Args:
+        path: folder to create (its parent must exist; an existing folder is overwritten).
+        arch: ``llama``, ``qwen2`` (QKV bias) or ``qwen3`` (q/k norm).
+        dtype: ``float32`` or ``bfloat16`` (the stored weights and the config's dtype).
+        tie_word_embeddings: share the embedding and LM-head weights.
+        seed: weights are a function of the seed only.
+        **overrides: config fields (e.g. ``num_hidden_layers=4``).
+    """
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    cfg, cls = _config(arch, dtype, tie_word_embeddings, overrides)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            # Random (not unit) norm weights and biases so that every parameter matters.
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif name.endswith(".bias"):
+                    p.copy_(0.05 * torch.randn_like(p))
+        model = model.to(getattr(torch, dtype))
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    # Record how the folder was made (for audit reports).
+    with open(os.path.join(path, "rl_engine_tiny.json"), "w") as f:
+        json.dump(
+            {
+                "arch": arch,
+                "dtype": dtype,
+                "tie_word_embeddings": tie_word_embeddings,
+                "seed": seed,
+                "overrides": overrides,
+            },
+            f,
+            indent=1,
+        )
+    return path
