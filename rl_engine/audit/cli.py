@@ -1,0 +1,404 @@
+"""``rl-engine audit``: rollout-vs-trainer log-prob drift, stock vs rl_engine.
+
+For each configuration (``stock``: vLLM and the trainer as shipped; ``rl_engine``: both routed
+through rl_engine's invariant kernels) and each rollout concurrency in ``--batch-sizes``, vLLM
+generates from the prompts, the trainer scores the same tokens teacher-forced, and the sampled
+tokens' log-probs are compared. Each side runs in its own process (``rl_engine.audit.worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
+from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+CONFIGS = ("stock", "rl_engine")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "audit", help="measure rollout-vs-trainer log-prob drift (stock vs rl_engine)"
+    )
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model folder (default: a tiny "
+        "random Llama generated locally with a fixed seed)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL of token ids, or text when the model "
+        "has a tokenizer (default: built-in prompts)",
+    )
+    p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument(
+        "--batch-sizes",
+        default="1,4,16",
+        help="rollout concurrencies (vLLM max_num_seqs), comma separated",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", default="audit_out", help="folder for report.json, report.md, drift.png"
+    )
+    p.add_argument(
+        "--gate",
+        action="store_true",
+        help="exit non-zero unless the rl_engine configuration is 100%% bitwise equal",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--rollout-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the rl_engine rollout process (e.g. a provider pin)",
+    )
+    p.add_argument(
+        "--trainer-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the rl_engine trainer process",
+    )
+
+
+def _parse_env(items: list[str], flag: str) -> dict[str, str]:
+    env = {}
+    for item in items:
+        if "=" not in item:
+            raise AuditInputError(f"{flag} {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        env[k] = v
+    return env
+
+
+def _validate(
+    args: argparse.Namespace, workdir: str
+) -> tuple[str, dict[str, Any], list[list[int]]]:
+    if args.temperature <= 0:
+        raise AuditInputError(f"--temperature must be > 0, got {args.temperature}")
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise AuditInputError("--num-prompts and --max-tokens must be >= 1")
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise AuditInputError(f"--batch-sizes {args.batch_sizes!r}: expected integers") from None
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise AuditInputError(f"--batch-sizes {args.batch_sizes!r}: expected integers >= 1")
+    args.batch_size_list = batch_sizes
+    if args.model is None:
+        from rl_engine.testing.tiny_models import make_tiny_model
+
+        model = make_tiny_model(
+            os.path.join(workdir, "tiny-llama"), "llama", args.dtype, seed=args.seed
+        )
+    else:
+        model = args.model
+        if not os.path.isdir(model):
+            raise AuditInputError(f"model folder not found: {model}")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise AuditInputError(f"{model} has no config.json: not a Hugging Face model folder")
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHS for a in archs):
+        raise AuditInputError(
+            f"unsupported architecture {archs or '(none given)'} in {model}; supported: "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    vocab = int(config["vocab_size"])
+    if args.prompts:
+        prompts = load_prompts(args.prompts, model, vocab, args.num_prompts)
+    else:
+        prompts = builtin_prompts(vocab, args.num_prompts, args.seed)
+    max_pos = int(config.get("max_position_embeddings", 2048))
+    for i, p in enumerate(prompts):
+        if len(p) + args.max_tokens > max_pos:
+            raise AuditInputError(
+                f"prompt {i} has {len(p)} tokens; with --max-tokens {args.max_tokens} it exceeds "
+                f"the model's context of {max_pos} tokens"
+            )
+    config["_max_model_len"] = min(max_pos, max(len(p) for p in prompts) + args.max_tokens + 16)
+    return model, config, prompts
+
+
+def _run_worker(
+    cfg: dict[str, Any], workdir: str, env_extra: dict[str, str], tag: str
+) -> dict[str, Any]:
+    in_path = os.path.join(workdir, f"{tag}.in.json")
+    out_path = os.path.join(workdir, f"{tag}.out.json")
+    with open(in_path, "w") as f:
+        json.dump(cfg, f)
+    env = dict(os.environ)
+    env.pop("RL_ENGINE_VLLM", None)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cfg["engine"] == "rl_engine" and cfg["role"] == "rollout":
+        env["RL_ENGINE_VLLM"] = "1"
+    env.update(env_extra)
+    log_path = os.path.join(workdir, f"{tag}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rl_engine.audit.worker", in_path, out_path],
+            env=env,
+            stdout=log,
+            stderr=log if not cfg.get("progress") else None,
+        )
+    if proc.returncode != 0 or not os.path.isfile(out_path):
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{tag} failed (exit {proc.returncode}); last output:\n{tail}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    model, config, prompts = _validate(args, workdir)
+    env_roll = _parse_env(args.rollout_env, "--rollout-env")
+    env_train = _parse_env(args.trainer_env, "--trainer-env")
+    progress = not args.no_progress
+    results: dict[str, Any] = {}
+    steps = len(CONFIGS) * len(args.batch_size_list)
+    step = 0
+    for name in CONFIGS:
+        roll_all: list[list[float]] = []
+        train_all: list[list[float]] = []
+        prov_roll: list[dict[str, Any]] = []
+        prov_train: list[dict[str, Any]] = []
+        runs = []
+        for bs in args.batch_size_list:
+            step += 1
+            base = {
+                "model": model,
+                "dtype": args.dtype,
+                "temperature": args.temperature,
+                "seed": args.seed,
+                "engine": name,
+                "progress": progress,
+            }
+            t0 = time.perf_counter()
+            _say(f"[{step}/{steps}] {name}: vLLM rollout, {len(prompts)} prompts, concurrency {bs}")
+            roll = _run_worker(
+                {
+                    **base,
+                    "role": "rollout",
+                    "prompts": prompts,
+                    "batch_size": bs,
+                    "max_tokens": args.max_tokens,
+                    "max_model_len": config["_max_model_len"],
+                },
+                workdir,
+                env_roll if name == "rl_engine" else {},
+                f"{name}-bs{bs}-rollout",
+            )
+            _say(f"[{step}/{steps}] {name}: {args.trainer} trainer scoring the sampled tokens")
+            train = _run_worker(
+                {
+                    **base,
+                    "role": "trainer",
+                    "trainer": args.trainer,
+                    "sequences": roll["sequences"],
+                },
+                workdir,
+                env_train if name == "rl_engine" else {},
+                f"{name}-bs{bs}-trainer",
+            )
+            r = [s["logprobs"] for s in roll["sequences"]]
+            t = train["logprobs"]
+            m = compare(r, t)
+            runs.append(
+                {
+                    "batch_size": bs,
+                    "bitwise_equal_fraction": m["bitwise_equal_fraction"],
+                    "max_abs_delta": m["max_abs_delta"],
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            roll_all += r
+            train_all += t
+            prov_roll += roll["provenance"]
+            prov_train += train["provenance"]
+        metrics = compare(roll_all, train_all)
+        metrics["runs"] = runs
+        metrics["provenance"] = {
+            "rollout": _dedup(prov_roll),
+            "trainer": _dedup(prov_train),
+            "check": provenance_check(prov_roll, prov_train) if name == "rl_engine" else None,
+        }
+        results[name] = metrics
+    return {
+        "model": args.model or f"(embedded tiny llama, seed {args.seed})",
+        "architecture": config.get("architectures"),
+        "trainer": args.trainer,
+        "dtype": args.dtype,
+        "temperature": args.temperature,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "batch_sizes": args.batch_size_list,
+        "configurations": results,
+    }
+
+
+def _dedup(rep: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen = {}
+    for r in rep:
+        key = (r["op"], r["device"], r["provider"], r["numerics"])
+        if key not in seen:
+            seen[key] = {k: r[k] for k in ("op", "device", "provider", "numerics", "invariant")}
+    return sorted(seen.values(), key=lambda r: r["op"])
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _gate(report: dict[str, Any]) -> list[str]:
+    cfg = report["configurations"]["rl_engine"]
+    problems = []
+    check = cfg["provenance"]["check"]
+    for mm in check["mismatches"]:
+        problems.append(
+            f"op {mm['op']}: rollout ran numerics {mm['rollout']}, trainer ran {mm['trainer']}"
+        )
+    for op in check["non_invariant_ops"]:
+        problems.append(f"op {op}: a non-invariant provider was used")
+    if cfg["bitwise_equal_fraction"] < 1.0:
+        problems.append(
+            f"only {100 * cfg['bitwise_equal_fraction']:.2f}% of sampled-token log-probs are "
+            f"bitwise equal (max |dlogp| {fmt_delta(cfg['max_abs_delta'])})"
+        )
+    return problems
+
+
+def _table(report: dict[str, Any]) -> str:
+    head = (
+        f"{'configuration':<12} {'tokens':>6} {'bitwise':>9} {'|d|>1e-6':>9} {'max |d|':>9} "
+        f"{'mean |d|':>9} {'k1 KL':>10} {'k3 KL':>9} {'ratio min/mean/max':>24} families"
+    )
+    lines = [head, "-" * len(head)]
+    for name, m in report["configurations"].items():
+        chk = m["provenance"]["check"]
+        fam = "-" if chk is None else ("match" if chk["ok"] else "MISMATCH")
+        lines.append(
+            f"{name:<12} {m['tokens']:>6} {100 * m['bitwise_equal_fraction']:>8.2f}% "
+            f"{100 * m['delta_gt_1e-6_fraction']:>8.2f}% {fmt_delta(m['max_abs_delta']):>9} "
+            f"{fmt_delta(m['mean_abs_delta']):>9} {m['kl_k1']:>10.2e} {m['kl_k3']:>9.2e} "
+            f"{m['ratio_min']:>7.4f}/{m['ratio_mean']:.4f}/{m['ratio_max']:.4f} {fam}"
+        )
+    return "\n".join(lines)
+
+
+def _markdown(report: dict[str, Any], table: str) -> str:
+    out = [
+        "# rl_engine drift audit",
+        "",
+        f"Model: {report['model']} ({', '.join(report['architecture'] or [])}); trainer: "
+        f"{report['trainer']}; dtype {report['dtype']}; temperature {report['temperature']}; "
+        f"{report['num_prompts']} prompts x {report['max_tokens']} tokens; rollout concurrency "
+        f"{report['batch_sizes']}.",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        "![drift](drift.png)",
+        "",
+    ]
+    for name, m in report["configurations"].items():
+        out += [
+            f"## {name}",
+            "",
+            "| concurrency | bitwise equal | max abs dlogp | seconds |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in m["runs"]:
+            out.append(
+                f"| {r['batch_size']} | {100 * r['bitwise_equal_fraction']:.2f}% | "
+                f"{fmt_delta(r['max_abs_delta'])} | {r['seconds']} |"
+            )
+        out += [
+            "",
+            "Worst sequences:",
+            "",
+            "| sequence | tokens | bitwise equal | max abs dlogp |",
+            "| --- | --- | --- | --- |",
+        ]
+        for s in m["worst_sequences"]:
+            out.append(
+                f"| {s['sequence']} | {s['tokens']} | "
+                f"{100 * s['bitwise_equal_fraction']:.1f}% | {fmt_delta(s['max_abs_delta'])} |"
+            )
+        out += ["", "Provenance (op: rollout / trainer):", ""]
+        roll = {r["op"]: r["numerics"] for r in m["provenance"]["rollout"]}
+        train = {r["op"]: r["numerics"] for r in m["provenance"]["trainer"]}
+        for op in sorted(set(roll) | set(train)):
+            out.append(f"- `{op}`: {roll.get(op, '-')} / {train.get(op, '-')}")
+        if not roll and not train:
+            out.append("- (no rl_engine ops: stock engines)")
+        out.append("")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = os.path.abspath(args.out)
+    with tempfile.TemporaryDirectory(prefix="rl_engine_audit_") as workdir:
+        try:
+            report = _audit(args, workdir)
+        except AuditInputError as exc:
+            print(f"rl-engine audit: error: {exc}", file=sys.stderr)
+            return 2
+        except RuntimeError as exc:
+            print(f"rl-engine audit: a worker failed: {exc}", file=sys.stderr)
+            return 3
+        table = _table(report)
+        problems = _gate(report)
+        report["gate"] = {"passed": not problems, "problems": problems}
+        stage = os.path.join(workdir, "report")
+        os.makedirs(stage)
+        deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
+        with open(os.path.join(stage, "report.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(stage, "report.md"), "w") as f:
+            f.write(_markdown(report, table))
+        from rl_engine.audit.plots import drift_figure
+
+        drift_figure(report, deltas, os.path.join(stage, "drift.png"))
+        os.makedirs(out_dir, exist_ok=True)
+        for name in ("report.json", "report.md", "drift.png"):
+            shutil.move(os.path.join(stage, name), os.path.join(out_dir, name))
+    print(table)
+    print(f"\nwrote {out_dir}/report.json, report.md, drift.png")
+    if problems:
+        print(
+            "gate: FAILED\n  " + "\n  ".join(problems)
+            if args.gate
+            else "note: rl_engine configuration not bitwise equal:\n  " + "\n  ".join(problems)
+        )
+        return 1 if args.gate else 0
+    print("gate: passed (rl_engine: 100% bitwise equal, numerics families match)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rl-engine audit", description=__doc__)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
