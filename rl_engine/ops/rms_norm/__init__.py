@@ -1,0 +1,212 @@
+"""``rms_norm``: batch-invariant RMSNorm, optionally with the residual add fused in front.
+
+Custom ops:
+
+* ``rl_engine::rms_norm(x, weight, eps, provider) -> y``
+* ``rl_engine::fused_add_rms_norm(x, residual, weight, eps, provider) -> (y, x + residual)``
+* ``rl_engine::rms_norm_dx(grad, r, weight, eps, provider) -> dr`` (row invariant)
+* ``rl_engine::rms_norm_wgrad(grad, r, eps, provider) -> dweight`` (fp32, fixed row order)
+
+Backward of the fused op: ``ds = rms_norm_dx(grad_y, s) + grad_s`` (the add in ``x.dtype``, as
+autograd accumulates the unfused composition), ``dx = dresidual = ds``; so the fused op and
+``(rms_norm(x + residual), x + residual)`` agree bitwise forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.rms_norm import reference, stock
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["rms_norm"]
+
+
+def _prov(name: str) -> Provider:
+    return KernelRegistry.provider("rms_norm", name)
+
+
+@torch.library.custom_op("rl_engine::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, provider: str) -> torch.Tensor:
+    return _prov(provider).fn(x, weight, eps).contiguous()
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, provider):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("rl_engine::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, provider: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = _prov(provider).fn(x, weight, eps, residual)
+    return y.contiguous(), s.contiguous()
+
+
+@_fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, provider):
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+    )
+
+
+@torch.library.custom_op("rl_engine::rms_norm_dx", mutates_args=())
+def _rms_norm_dx_op(
+    grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, provider: str
+) -> torch.Tensor:
+    return _prov(provider).extras["dx"](grad, r, weight, eps).contiguous()
+
+
+@_rms_norm_dx_op.register_fake
+def _(grad, r, weight, eps, provider):
+    return torch.empty(r.shape, dtype=r.dtype, device=r.device)
+
+
+@torch.library.custom_op("rl_engine::rms_norm_wgrad", mutates_args=())
+def _rms_norm_wgrad_op(
+    grad: torch.Tensor, r: torch.Tensor, eps: float, provider: str
+) -> torch.Tensor:
+    return _prov(provider).extras["wgrad"](grad, r, eps)
+
+
+@_rms_norm_wgrad_op.register_fake
+def _(grad, r, eps, provider):
+    return torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, provider = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+    ctx.provider = provider
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad = grad.to(x.dtype)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _rms_norm_dx_op(grad, x, weight, ctx.eps, ctx.provider)
+    if ctx.needs_input_grad[1]:
+        dw = _rms_norm_wgrad_op(grad, x, ctx.eps, ctx.provider).to(weight.dtype)
+    return dx, dw, None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, provider = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.eps = eps
+    ctx.provider = provider
+
+
+def _fused_backward(ctx, grad_y, grad_s):
+    s, weight = ctx.saved_tensors
+    ds = dw = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        ds = _rms_norm_dx_op(grad_y.to(s.dtype), s, weight, ctx.eps, ctx.provider)
+        if grad_s is not None:
+            ds = ds + grad_s.to(s.dtype)
+    if ctx.needs_input_grad[2]:
+        dw = _rms_norm_wgrad_op(grad_y.to(s.dtype), s, ctx.eps, ctx.provider).to(weight.dtype)
+    dx = ds if ctx.needs_input_grad[0] else None
+    dres = ds if ctx.needs_input_grad[1] else None
+    return dx, dres, dw, None, None
+
+
+_fused_add_rms_norm_op.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+def _entry(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    *,
+    provider: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    reference._check(x, weight, eps, residual)
+    if residual is None:
+        return _rms_norm_op(x, weight, float(eps), provider)
+    return _fused_add_rms_norm_op(x, residual, weight, float(eps), provider)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant RMSNorm through the provider the registry resolves.
+
+    Args:
+        x: [..., H] float32 / bfloat16 / float16.
+        weight: [H].
+        eps: added to the mean square.
+        residual: optional [..., H], same dtype as ``x``: fused ``x + residual`` in front.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        ``y`` [..., H] in ``x.dtype``, or ``(y, x + residual)`` when ``residual`` is given.
+        See :func:`rl_engine.ops.rms_norm.reference.rms_norm` for the contract.
+    """
+    reference._check(x, weight, eps, residual)
+    provider = resolve_provider("rms_norm", x.device.type, backend)
+    return _entry(x, weight, eps, residual, provider=provider)
+
+
+KernelRegistry.register_op("rms_norm", entry=_entry, reference=reference.rms_norm)
+KernelRegistry.register_provider(
+    Provider(
+        op="rms_norm",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="rms_norm/native-tree",
+        fn=reference.rms_norm,
+        extras={"dx": reference.rms_norm_dx, "wgrad": reference.rms_norm_wgrad},
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="rms_norm",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="rms_norm/stock-torch",
+        fn=stock.rms_norm,
+        extras={"dx": stock.rms_norm_dx, "wgrad": stock.rms_norm_wgrad},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Bitwise row invariance of forward and dX, fused == unfused (used by ``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(72, generator=g).to(device=device, dtype=dtype)
+        x = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
+        res = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
+        check_row_invariance(lambda t, w=w: rms_norm(t, w), x, counts=(1, 17, 33), what="rms_norm")
+        y, s = rms_norm(x, w, 1e-6, res)
+        assert_bitwise(s, x + res, "rms_norm residual sum")
+        assert_bitwise(y, rms_norm(x + res, w, 1e-6), "rms_norm fused vs unfused")
+        gy = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
+
+        def dx(idx, w=w, x=x, gy=gy):
+            xi = x[idx.long()].clone().requires_grad_(True)
+            rms_norm(xi, w).backward(gy[idx.long()])
+            return xi.grad
+
+        check_row_invariance(dx, torch.arange(67.0), counts=(1, 17, 33), what="rms_norm dX")

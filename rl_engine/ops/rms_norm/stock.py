@@ -1,0 +1,47 @@
+"""``stock`` provider of ``rms_norm``: plain torch (``mean`` / ``rsqrt`` / ``sum``).
+
+Not batch invariant (torch picks reduction orders and SIMD / scalar paths by shape). Registered so
+that the audit mode can measure the "before" picture; strict mode refuses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops.rms_norm.reference import _check
+
+
+def _norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = r.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd * weight.float()).to(r.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face style RMSNorm with stock torch reductions."""
+    _check(x, weight, eps, residual)
+    if residual is None:
+        return _norm(x, weight, eps)
+    s = x + residual
+    return _norm(s, weight, eps), s
+
+
+def rms_norm_dx(
+    grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    x32 = r.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    n = x32 * rstd
+    g = grad.float() * weight.float()
+    return ((g - n * (g * n).mean(-1, keepdim=True)) * rstd).to(r.dtype)
+
+
+def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = r.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (grad.float() * x32 * rstd).reshape(-1, x32.shape[-1]).sum(0)

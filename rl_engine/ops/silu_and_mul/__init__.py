@@ -1,0 +1,119 @@
+"""``silu_and_mul``: batch-invariant SwiGLU activation ``silu(x[..., :D]) * x[..., D:]``.
+
+Custom ops: ``rl_engine::silu_and_mul(x, provider) -> y`` and
+``rl_engine::silu_and_mul_backward(grad, x, provider) -> dx`` (elementwise, row invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.silu_and_mul import reference, stock
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["silu_and_mul"]
+
+
+def _out_shape(x: torch.Tensor) -> tuple[int, ...]:
+    return (*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("rl_engine::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor, provider: str) -> torch.Tensor:
+    return KernelRegistry.provider("silu_and_mul", provider).fn(x).contiguous()
+
+
+@_silu_and_mul_op.register_fake
+def _(x, provider):
+    return torch.empty(_out_shape(x), dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("rl_engine::silu_and_mul_backward", mutates_args=())
+def _silu_and_mul_backward_op(grad: torch.Tensor, x: torch.Tensor, provider: str) -> torch.Tensor:
+    prov = KernelRegistry.provider("silu_and_mul", provider)
+    return prov.extras["backward"](grad, x).contiguous()
+
+
+@_silu_and_mul_backward_op.register_fake
+def _(grad, x, provider):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, provider = inputs
+    ctx.save_for_backward(x)
+    ctx.provider = provider
+
+
+def _backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _silu_and_mul_backward_op(grad.to(x.dtype), x, ctx.provider), None
+
+
+_silu_and_mul_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(x: torch.Tensor, *, provider: str) -> torch.Tensor:
+    reference._check(x)
+    return _silu_and_mul_op(x, provider)
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Batch-invariant ``silu(x[..., :D]) * x[..., D:]`` through the resolved provider.
+
+    Args:
+        x: [..., 2D] float32 / bfloat16 / float16.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        [..., D] in ``x.dtype``. See :func:`rl_engine.ops.silu_and_mul.reference.silu_and_mul`.
+    """
+    reference._check(x)
+    provider = resolve_provider("silu_and_mul", x.device.type, backend)
+    return _entry(x, provider=provider)
+
+
+KernelRegistry.register_op("silu_and_mul", entry=_entry, reference=reference.silu_and_mul)
+KernelRegistry.register_provider(
+    Provider(
+        op="silu_and_mul",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="silu_and_mul/native-f64",
+        fn=reference.silu_and_mul,
+        extras={"backward": reference.silu_and_mul_backward},
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="silu_and_mul",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="silu_and_mul/stock-torch",
+        fn=stock.silu_and_mul,
+        extras={"backward": stock.silu_and_mul_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Bitwise row invariance of forward and dX (used by ``rl-engine check``)."""
+    from rl_engine.testing.invariance import check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(67, 2 * 45, generator=g)).to(device=device, dtype=dtype)
+        gy = torch.randn(67, 45, generator=g).to(device=device, dtype=dtype)
+        check_row_invariance(silu_and_mul, x, counts=(1, 17, 33), what="silu_and_mul")
+
+        def dx(idx, x=x, gy=gy):
+            xi = x[idx.long()].clone().requires_grad_(True)
+            silu_and_mul(xi).backward(gy[idx.long()])
+            return xi.grad
+
+        check_row_invariance(dx, torch.arange(67.0), counts=(1, 17, 33), what="silu_and_mul dX")

@@ -1,0 +1,241 @@
+"""rms_norm: numerics vs float64, row invariance (fwd + dX), fused residual == unfused, dW order,
+errors, opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine import BackendUnavailableError, KernelRegistry, config
+from rl_engine.ops import rms_norm
+from rl_engine.ops.det_gemm.reference import det_gemm_wgrad
+from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.tolerances import assert_close, tolerance
+
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+
+
+def _providers():
+    return [p.name for p in KernelRegistry.providers("rms_norm", "cpu") if p.invariant]
+
+
+@pytest.fixture(params=_providers())
+def backend(request):
+    try:
+        KernelRegistry.get_op("rms_norm", device="cpu", backend=request.param)
+    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
+        pytest.skip(str(exc))
+    return request.param
+
+
+def _ref64(r: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    r64 = r.double()
+    return r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 16), (33, 760), (17, 1128), (0, 64), (2, 5, 129), (3, 1)])
+def test_numerics_vs_float64(backend, dtype, shape):
+    x = torch.randn(shape, dtype=dtype)
+    w = torch.randn(shape[-1], dtype=dtype)
+    y = rms_norm(x, w, EPS, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape
+    rtol, atol = tolerance(dtype)
+    assert_close(y, _ref64(x, w), rtol=rtol, atol=atol, what=f"rms_norm {shape} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_residual_numerics(backend, dtype):
+    x, res = torch.randn(31, 200, dtype=dtype), torch.randn(31, 200, dtype=dtype)
+    w = torch.randn(200, dtype=dtype)
+    y, s = rms_norm(x, w, 1e-5, res, backend=backend)
+    assert_bitwise(s, x + res, "residual sum in x.dtype")
+    rtol, atol = tolerance(dtype)
+    assert_close(y, _ref64(s, w, 1e-5), rtol=rtol, atol=atol, what="fused rms_norm")
+
+
+def test_mixed_weight_dtype(backend):
+    x, w = torch.randn(9, 64, dtype=torch.bfloat16), torch.randn(64)
+    y = rms_norm(x, w, backend=backend)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, _ref64(x, w), rtol=1e-2, atol=1e-2, what="bf16 x, fp32 weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_numerics_and_determinism(backend, dtype):
+    x = torch.randn(45, 96, dtype=dtype, requires_grad=True)
+    w = torch.randn(96, dtype=dtype, requires_grad=True)
+    g = torch.randn(45, 96, dtype=dtype)
+
+    def grads():
+        x.grad = w.grad = None
+        rms_norm(x, w, EPS, backend=backend).backward(g)
+        return x.grad.clone(), w.grad.clone()
+
+    gx, gw = grads()
+    gx2, gw2 = grads()
+    assert_bitwise(gx, gx2, "dx run-to-run")
+    assert_bitwise(gw, gw2, "dw run-to-run")
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    _ref64(x64, w64).backward(g.double())
+    rtol, atol = tolerance(dtype, grad=True)
+    assert_close(gx, x64.grad, rtol=rtol, atol=atol, what="dx")
+    assert_close(gw, w64.grad, rtol=rtol, atol=atol, what="dw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_forward(backend, dtype):
+    w = torch.randn(760, dtype=dtype)
+    x = torch.randn(300, 760, dtype=dtype)
+    check_row_invariance(lambda t: rms_norm(t, w, backend=backend), x, what="rms_norm fwd")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_fused_forward(backend, dtype):
+    w = torch.randn(128, dtype=dtype)
+    x, res = torch.randn(199, 128, dtype=dtype), torch.randn(199, 128, dtype=dtype)
+
+    def f(idx):  # rows addressed by index so that x and residual are sliced together
+        i = idx.long()
+        return torch.cat(rms_norm(x[i], w, EPS, res[i], backend=backend), dim=-1)
+
+    check_row_invariance(f, torch.arange(199.0), what="fused rms_norm fwd")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_dx(backend, dtype, fused):
+    w = torch.randn(200, dtype=dtype)
+    x, res = torch.randn(199, 200, dtype=dtype), torch.randn(199, 200, dtype=dtype)
+    gy, gs = torch.randn(199, 200, dtype=dtype), torch.randn(199, 200, dtype=dtype)
+
+    def dx(idx):
+        i = idx.long()
+        xi = x[i].clone().requires_grad_(True)
+        if fused:
+            y, s = rms_norm(xi, w, EPS, res[i], backend=backend)
+            torch.autograd.backward([y, s], [gy[i], gs[i]])
+        else:
+            rms_norm(xi, w, EPS, backend=backend).backward(gy[i])
+        return xi.grad
+
+    counts = (1, 17, 31, 33, 64, 65, 128, 129, 199)
+    check_row_invariance(dx, torch.arange(199.0), counts=counts, what=f"dX fused={fused}")
+
+
+@pytest.mark.parametrize("grad_s", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_equals_unfused_bitwise(backend, dtype, grad_s):
+    x0, r0 = torch.randn(67, 72, dtype=dtype), torch.randn(67, 72, dtype=dtype)
+    w0 = torch.randn(72, dtype=dtype)
+    gy, gs = torch.randn(67, 72, dtype=dtype), torch.randn(67, 72, dtype=dtype)
+
+    def run(fused):
+        x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w0))
+        if fused:
+            y, s = rms_norm(x, w, EPS, r, backend=backend)
+        else:
+            s = x + r
+            y = rms_norm(s, w, EPS, backend=backend)
+        outs, grads = ([y, s], [gy, gs]) if grad_s else ([y], [gy])
+        torch.autograd.backward(outs, grads)
+        return y, s, x.grad, r.grad, w.grad
+
+    for a, b, name in zip(run(True), run(False), ["y", "s", "dx", "dresidual", "dweight"]):
+        assert_bitwise(a, b, f"fused vs unfused {name}")
+
+
+def test_weight_grad_order_and_zero_padding(backend):
+    x, g = torch.randn(50, 24), torch.randn(50, 24)
+    w = torch.randn(24, requires_grad=True)
+
+    def dw(xx, gg):
+        w.grad = None
+        rms_norm(xx, w, EPS, backend=backend).backward(gg)
+        return w.grad.clone()
+
+    base = dw(x, g)
+    for pad in (1, 14, 40):
+        xp, gp = torch.cat([x, torch.zeros(pad, 24)]), torch.cat([g, torch.zeros(pad, 24)])
+        assert_bitwise(dw(xp, gp), base, f"dW with {pad} zero rows")
+    # 3-d input: rows are the flattened leading dims, in order
+    assert_bitwise(dw(x.reshape(2, 25, 24), g.reshape(2, 25, 24)), base, "dW of [2, 25, H]")
+    if backend == "native":
+        # the documented order is the one of det_gemm's weight gradient (16-row chunks, in order)
+        from rl_engine.ops.rms_norm.reference import _rstd
+
+        expected = det_gemm_wgrad(torch.ones(50, 1), g * (x * _rstd(x, EPS)))[0]
+        assert_bitwise(base, expected, "dW order == det_gemm wgrad order")
+
+
+def test_strided_input(backend):
+    x = torch.randn(40, 2 * 96)[::2, ::2]
+    w = torch.randn(96)
+    assert_bitwise(rms_norm(x, w, backend=backend), rms_norm(x.contiguous(), w), "strided")
+
+
+def test_compile_matches_eager(backend):
+    x, r, w = torch.randn(9, 32), torch.randn(9, 32), torch.randn(32)
+    f = torch.compile(
+        lambda a, b, c: rms_norm(a, c, EPS, b, backend=backend), fullgraph=True, backend="eager"
+    )
+    for got, want, n in zip(f(x, r, w), rms_norm(x, w, EPS, r, backend=backend), "ys"):
+        assert_bitwise(got, want, f"compile vs eager {n}")
+
+
+def test_opcheck():
+    x, r, w, g = torch.randn(5, 7), torch.randn(5, 7), torch.randn(7), torch.randn(5, 7)
+    ops = torch.ops.rl_engine
+    torch.library.opcheck(ops.rms_norm.default, (x.requires_grad_(), w, EPS, "native"))
+    torch.library.opcheck(ops.fused_add_rms_norm.default, (x, r, w, EPS, "native"))
+    torch.library.opcheck(ops.rms_norm_dx.default, (g, x.detach(), w, EPS, "native"))
+    torch.library.opcheck(ops.rms_norm_wgrad.default, (g, x.detach(), EPS, "native"))
+
+
+def test_default_resolution_and_stock_audit_only():
+    assert KernelRegistry.get_op("rms_norm", device="cpu").provider.name == "native"
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(BackendUnavailableError, match="audit"):
+        rms_norm(x, w, backend="stock")
+    config.set_mode("audit")
+    y = rms_norm(x, w, backend="stock")
+    assert_close(y, _ref64(x, w), rtol=1e-5, atol=1e-5, what="stock")
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.randn(3, 4).double(), torch.randn(4).double()), TypeError, "not supported"),
+        ((torch.randn(3, 4), torch.ones(4, dtype=torch.int64)), TypeError, "weight"),
+        ((torch.randn(3, 4), torch.randn(5)), ValueError, "weight has 5"),
+        ((torch.randn(3, 4), torch.randn(4, 1)), ValueError, "dims"),
+        ((torch.randn(3, 4), torch.randn(4, device="meta")), ValueError, "device"),
+        ((torch.randn(3, 0), torch.randn(0)), ValueError, "hidden size"),
+        ((torch.tensor(1.0), torch.randn(1)), ValueError, "at least 1 dim"),
+        (([[1.0]], torch.randn(1)), TypeError, "Tensor"),
+        ((torch.randn(3, 4), torch.randn(4), -1.0), ValueError, "eps"),
+        ((torch.randn(3, 4), torch.randn(4), float("nan")), ValueError, "eps"),
+        ((torch.randn(3, 4), torch.randn(4), "1e-6"), TypeError, "eps"),
+        ((torch.randn(3, 4), torch.randn(4), EPS, torch.randn(3, 5)), ValueError, "residual shape"),
+        (
+            (torch.randn(3, 4), torch.randn(4), EPS, torch.randn(3, 4).bfloat16()),
+            TypeError,
+            "residual dtype",
+        ),
+        (
+            (torch.randn(3, 4), torch.randn(4), EPS, torch.randn(3, 4, device="meta")),
+            ValueError,
+            "device",
+        ),
+    ],
+)
+def test_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        rms_norm(*args, backend="native")
+
+
+def test_unknown_backend():
+    with pytest.raises(BackendUnavailableError, match="names no provider"):
+        rms_norm(torch.randn(2, 4), torch.randn(4), backend="nope")
