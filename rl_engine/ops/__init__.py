@@ -6,12 +6,16 @@ pins a provider for that call (it raises when the provider cannot run). The op p
 from __future__ import annotations
 
 from rl_engine.ops.det_gemm import det_gemm
+from rl_engine.ops.grpo_loss import grpo_loss
+from rl_engine.ops.ratio_kl import ratio_kl
 from rl_engine.ops.rms_norm import rms_norm
 from rl_engine.ops.rope import rope
 from rl_engine.ops.silu_and_mul import silu_and_mul
 
 __all__ = [
     "det_gemm",
+    "grpo_loss",
+    "ratio_kl",
     "rms_norm",
     "rope",
     "silu_and_mul",

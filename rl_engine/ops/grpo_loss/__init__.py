@@ -1,0 +1,369 @@
+"""``grpo_loss``: PPO / GRPO / DAPO / GSPO / Dr. GRPO clipped policy loss, fixed-order reductions.
+
+Custom ops: ``rl_engine::grpo_loss(logp, old_logp, advantages, mask, ref_logp, is_weights,
+<options>, provider) -> (loss, metrics)`` and ``rl_engine::grpo_loss_backward(grad, ...) ->
+d logp``. Options travel as floats / strings (``None`` becomes ``0.0`` for ``dual_clip`` and
+``loss_norm``); the public :func:`grpo_loss` validates them, broadcasts per-sequence advantages /
+IS weights over T and builds the :class:`GRPOLoss` / :class:`GRPOMetrics` named tuples.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops.grpo_loss import reference
+from rl_engine.ops.grpo_loss.reference import AGG_MODES, METRIC_NAMES
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["AGG_MODES", "GRPOLoss", "GRPOMetrics", "grpo_loss"]
+
+
+class GRPOMetrics(NamedTuple):
+    """Detached fp32 scalars; token means are over real tokens (``/ max(N, 1)``).
+
+    Attributes:
+        pg_loss: the aggregated policy-gradient term (``loss`` without the KL term).
+        kl_loss: the aggregated k3 KL penalty vs ``ref_logp`` (before ``kl_beta``; 0 without it).
+        clip_frac: fraction of tokens where the clipped branch is taken (``pg2 > pg1``).
+        clip_frac_low: ... of them with ratio < 1 (negative advantage, ratio < 1 - clip_low).
+        clip_frac_high: ... of them with ratio > 1 (positive advantage, ratio > 1 + clip_high).
+        dual_clip_frac: fraction of tokens where the dual clip bounds the loss.
+        ppo_kl: mean of ``-log_ratio`` (k1 of KL(old || new); verl's ``ppo_kl``).
+        approx_kl: mean of k3 ``ratio - 1 - log_ratio`` (token log-ratios).
+        approx_kl_k2: mean of ``0.5 * log_ratio**2``.
+        ratio_mean, ratio_min, ratio_max: stats of the ratio the loss used (the sequence ratio
+            for GSPO); min / max are 0 when there is no real token.
+        num_tokens: N, real tokens.  num_seqs: B', sequences with at least one real token.
+    """
+
+    pg_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    clip_frac: torch.Tensor
+    clip_frac_low: torch.Tensor
+    clip_frac_high: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    ppo_kl: torch.Tensor
+    approx_kl: torch.Tensor
+    approx_kl_k2: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+    num_tokens: torch.Tensor
+    num_seqs: torch.Tensor
+
+
+assert GRPOMetrics._fields == METRIC_NAMES
+
+
+class GRPOLoss(NamedTuple):
+    """``(loss, metrics)``: fp32 scalar loss (differentiable wrt ``logp``) and its metrics."""
+
+    loss: torch.Tensor
+    metrics: GRPOMetrics
+
+
+@torch.library.custom_op("rl_engine::grpo_loss", mutates_args=())
+def _grpo_loss_op(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    ratio_type: str,
+    loss_agg: str,
+    loss_norm: float,
+    kl_beta: float,
+    log_ratio_clamp: float,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KernelRegistry.provider("grpo_loss", provider).fn(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp,
+        is_weights,
+        clip_low,
+        clip_high,
+        dual_clip,
+        ratio_type,
+        loss_agg,
+        loss_norm,
+        kl_beta,
+        log_ratio_clamp,
+    )
+
+
+@_grpo_loss_op.register_fake
+def _(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts_and_provider):
+    reference._check(
+        logp, old_logp, advantages, mask, ref_logp, is_weights, *opts_and_provider[:-1]
+    )
+    return (
+        logp.new_empty((), dtype=torch.float32),
+        logp.new_empty((len(METRIC_NAMES),), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("rl_engine::grpo_loss_backward", mutates_args=())
+def _grpo_loss_backward_op(
+    grad: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    ratio_type: str,
+    loss_agg: str,
+    loss_norm: float,
+    kl_beta: float,
+    log_ratio_clamp: float,
+    provider: str,
+) -> torch.Tensor:
+    return KernelRegistry.provider("grpo_loss", provider).extras["backward"](
+        grad,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp,
+        is_weights,
+        clip_low,
+        clip_high,
+        dual_clip,
+        ratio_type,
+        loss_agg,
+        loss_norm,
+        kl_beta,
+        log_ratio_clamp,
+    )
+
+
+@_grpo_loss_backward_op.register_fake
+def _(grad, logp, *rest):
+    return torch.empty_like(logp)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])
+    ctx.options = inputs[6:]  # clip_low ... log_ratio_clamp, provider
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad, _grad_metrics):
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 15
+    d_logp = _grpo_loss_backward_op(grad, *ctx.saved_tensors, *ctx.options)
+    return (d_logp,) + (None,) * 14
+
+
+_grpo_loss_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _per_token(name: str, x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """[B, T] as is; a per-sequence [B] tensor broadcast over T."""
+    if x is None:
+        return None
+    check_tensor(name, x, dims=(1, 2))
+    if x.dim() == 1:
+        if x.shape[0] != like.shape[0]:
+            raise ValueError(
+                f"grpo_loss: {name} has shape {tuple(x.shape)}; expected [B] or [B, T] with "
+                f"[B, T] = {tuple(like.shape)}"
+            )
+        return x[:, None].expand(like.shape)
+    return x
+
+
+def _entry(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_type: str = "token",
+    loss_agg: str = "token-mean",
+    loss_norm: float | None = None,
+    kl_beta: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    log_ratio_clamp: float = 20.0,
+    provider: str,
+) -> GRPOLoss:
+    check_tensor("logp", logp, dims=2)
+    advantages = _per_token("advantages", advantages, logp)
+    rollout_is_weights = _per_token("rollout_is_weights", rollout_is_weights, logp)
+    if mask is None:
+        mask = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
+    else:
+        check_tensor("mask", mask, dims=2)
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+    if dual_clip is not None and float(dual_clip) == 0.0:
+        raise ValueError("grpo_loss: dual_clip must be None or a finite c > 1, got 0")
+    if loss_norm is not None and float(loss_norm) == 0.0:
+        raise ValueError("grpo_loss: loss_norm must be None or finite and > 0, got 0")
+    if torch.is_grad_enabled():
+        named = {
+            "old_logp": old_logp,
+            "advantages": advantages,
+            "ref_logp": ref_logp,
+            "rollout_is_weights": rollout_is_weights,
+        }
+        for name, t in named.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"grpo_loss differentiates wrt logp only; {name} requires grad: pass "
+                    f"{name}.detach()"
+                )
+    opts = (
+        float(clip_low),
+        float(clip_high),
+        0.0 if dual_clip is None else float(dual_clip),
+        ratio_type,
+        loss_agg,
+        0.0 if loss_norm is None else float(loss_norm),
+        float(kl_beta),
+        float(log_ratio_clamp),
+    )
+    reference._check(logp, old_logp, advantages, mask, ref_logp, rollout_is_weights, *opts)
+    loss, metrics = _grpo_loss_op(
+        logp, old_logp, advantages, mask, ref_logp, rollout_is_weights, *opts, provider
+    )
+    return GRPOLoss(loss, GRPOMetrics(*metrics.unbind(0)))
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_type: str = "token",
+    loss_agg: str = "token-mean",
+    loss_norm: float | None = None,
+    kl_beta: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    log_ratio_clamp: float = 20.0,
+    backend: str | None = None,
+) -> GRPOLoss:
+    """Clipped policy-gradient loss (PPO / GRPO family) with deterministic fixed-order reductions.
+
+    See :mod:`rl_engine.ops.grpo_loss.reference` for the exact math.
+
+    Args:
+        logp: [B, T] log-probs of the current policy (fp32 / bf16 / fp16); the only input that
+            receives a gradient.
+        old_logp: [B, T] log-probs the ratio is taken against (behaviour / old policy).
+        advantages: [B, T] per-token or [B] per-sequence advantages.
+        mask: [B, T] response mask (bool, or numbers: nonzero = real token); None = all real.
+        clip_low: the ratio is clipped below at ``1 - clip_low`` (0 <= clip_low < 1).
+        clip_high: ... and above at ``1 + clip_high`` (DAPO clip-higher: clip_high > clip_low).
+        dual_clip: None, or c > 1: for negative advantages the loss is at most ``-A * c``.
+        ratio_type: ``"token"`` (PPO / GRPO) or ``"sequence"`` (GSPO-token: the ratio is
+            ``exp(mean log-ratio of the sequence)`` with the stop-gradient trick).
+        loss_agg: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
+            ``"seq-mean-token-sum-norm"`` (Dr. GRPO: sum / constant).
+        loss_norm: the aggregation denominator D instead of the mode's default (token count,
+            non-empty sequence count, or T for seq-mean-token-sum-norm). Pass the global
+            count (across micro-batches / data-parallel ranks) to make per-row gradients
+            independent of the other rows.
+        kl_beta: weight of the k3 KL penalty ``exp(ref - logp) - (ref - logp) - 1``.
+        ref_logp: [B, T] reference-policy log-probs (needed when ``kl_beta > 0``; with
+            ``kl_beta == 0`` it only feeds the ``kl_loss`` metric).
+        rollout_is_weights: [B, T] or [B] IS weights multiplying the policy-gradient term
+            (e.g. ``ratio_kl(old_logp, rollout_logp, ...).token_weight``).
+        log_ratio_clamp: C > 0; log-ratios are clamped to [-C, C] before ``exp``.
+        backend: provider name; None = the registry's choice.
+
+    Returns:
+        :class:`GRPOLoss` ``(loss, metrics)``: fp32 scalar loss and :class:`GRPOMetrics`.
+
+    Raises:
+        ValueError / TypeError: bad shapes, dtypes, devices or options; a gradient requested
+            for an input other than ``logp``.
+    """
+    check_tensor("logp", logp)
+    provider = resolve_provider("grpo_loss", logp.device.type, backend)
+    return _entry(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        ratio_type=ratio_type,
+        loss_agg=loss_agg,
+        loss_norm=loss_norm,
+        kl_beta=kl_beta,
+        ref_logp=ref_logp,
+        rollout_is_weights=rollout_is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+        provider=provider,
+    )
+
+
+KernelRegistry.register_op("grpo_loss", entry=_entry, reference=reference.grpo_loss)
+KernelRegistry.register_provider(
+    Provider(
+        op="grpo_loss",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="grpo_loss/native",
+        fn=reference.grpo_loss,
+        extras={"backward": reference.grpo_loss_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Run-to-run and padding invariance of loss, metrics and d logp (``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, t = 9, 23
+    lp = (torch.randn(b, t, generator=g) * 0.3 - 1.0).to(device)
+    old = (lp.cpu() + torch.randn(b, t, generator=g) * 0.2).to(device)
+    adv = torch.randn(b, generator=g).to(device)
+    mask = (torch.rand(b, t, generator=g) > 0.2).to(device)
+
+    def run(lp_, old_, adv_, mask_):
+        x = lp_.clone().requires_grad_(True)
+        out = grpo_loss(x, old_, adv_, mask_, clip_high=0.28, dual_clip=3.0)
+        out.loss.backward()
+        return torch.cat([out.loss[None], torch.stack(out.metrics)]), x.grad
+
+    loss, grad = run(lp, old, adv, mask)
+    loss2, grad2 = run(lp, old, adv, mask)
+    assert_bitwise(loss2, loss, "grpo_loss run-to-run")
+    assert_bitwise(grad2, grad, "grpo_loss d logp run-to-run")
+
+    def pad(x, rows, cols, value):
+        x = torch.cat([x, torch.full((x.shape[0], cols), value, dtype=x.dtype, device=device)], 1)
+        return torch.cat([x, torch.full((rows, x.shape[1]), value, dtype=x.dtype, device=device)])
+
+    adv_p = torch.cat([adv, torch.zeros(5, device=device)])
+    loss_p, grad_p = run(pad(lp, 5, 4, 0.0), pad(old, 5, 4, 0.0), adv_p, pad(mask, 5, 4, False))
+    assert_bitwise(loss_p, loss, "grpo_loss with masked padding")
+    assert_bitwise(grad_p[:b, :t], grad, "grpo_loss d logp with masked padding")

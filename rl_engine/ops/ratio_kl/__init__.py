@@ -1,0 +1,329 @@
+"""``ratio_kl``: importance ratios, k1/k2/k3 KL estimators, truncated and masked IS weights.
+
+Custom ops: ``rl_engine::ratio_kl(logp, old_logp, mask, <options as floats>, provider)`` (eleven
+outputs, see :func:`rl_engine.ops.ratio_kl.reference.ratio_kl`) and
+``rl_engine::ratio_kl_backward(...)`` (its gradients). The public :func:`ratio_kl` validates the
+options, turns ``None`` into the neutral values of the schema (caps ``inf``, masked-IS ranges
+``[0, inf]``) and returns a :class:`RatioKL` named tuple.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops.ratio_kl import reference
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["RatioKL", "ratio_kl"]
+
+_SEQ_MODES = ("sum", "mean")
+
+
+class RatioKL(NamedTuple):
+    """Outputs of :func:`ratio_kl` (all fp32 unless noted; B sequences, T tokens).
+
+    Attributes:
+        log_ratio: [B, T] ``clamp(logp - old_logp, -C, C)``, 0 at masked tokens.
+        ratio: [B, T] ``exp(log_ratio)``, 1 at masked tokens.
+        k1: [B, T] ``-log_ratio``.
+        k2: [B, T] ``0.5 * log_ratio**2``.
+        k3: [B, T] ``ratio - 1 - log_ratio``.
+        token_weight: [B, T] truncated, masked token IS weight (0 where not kept); detached.
+        token_keep: [B, T] bool, real token whose ratio is inside the token masked-IS range.
+        seq_log_ratio: [B] clamped sum (or mean) of ``log_ratio`` over the sequence.
+        seq_ratio: [B] ``exp(seq_log_ratio)``.
+        seq_weight: [B] truncated, masked sequence IS weight (0 where not kept); detached.
+        seq_keep: [B] bool, sequence ratio inside the sequence masked-IS range.
+    """
+
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    k1: torch.Tensor
+    k2: torch.Tensor
+    k3: torch.Tensor
+    token_weight: torch.Tensor
+    token_keep: torch.Tensor
+    seq_log_ratio: torch.Tensor
+    seq_ratio: torch.Tensor
+    seq_weight: torch.Tensor
+    seq_keep: torch.Tensor
+
+
+_Out = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]
+
+
+@torch.library.custom_op("rl_engine::ratio_kl", mutates_args=())
+def _ratio_kl_op(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor | None,
+    log_ratio_clamp: float,
+    token_cap: float,
+    seq_cap: float,
+    token_mis_lo: float,
+    token_mis_hi: float,
+    seq_mis_lo: float,
+    seq_mis_hi: float,
+    geometric: bool,
+    provider: str,
+) -> _Out:
+    return KernelRegistry.provider("ratio_kl", provider).fn(
+        logp,
+        old_logp,
+        mask,
+        log_ratio_clamp,
+        token_cap,
+        seq_cap,
+        token_mis_lo,
+        token_mis_hi,
+        seq_mis_lo,
+        seq_mis_hi,
+        geometric,
+    )
+
+
+@_ratio_kl_op.register_fake
+def _(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi, geo, provider):
+    reference._check(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi)
+    b, t = logp.shape
+    tok = [logp.new_empty((b, t), dtype=torch.float32) for _ in range(6)]
+    seq = [logp.new_empty((b,), dtype=torch.float32) for _ in range(3)]
+    tok_keep = logp.new_empty((b, t), dtype=torch.bool)
+    seq_keep = logp.new_empty((b,), dtype=torch.bool)
+    return (*tok, tok_keep, *seq, seq_keep)
+
+
+@torch.library.custom_op("rl_engine::ratio_kl_backward", mutates_args=())
+def _ratio_kl_backward_op(
+    g_log_ratio: torch.Tensor,
+    g_ratio: torch.Tensor,
+    g_k1: torch.Tensor,
+    g_k2: torch.Tensor,
+    g_k3: torch.Tensor,
+    g_seq_log_ratio: torch.Tensor,
+    g_seq_ratio: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor | None,
+    log_ratio_clamp: float,
+    geometric: bool,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KernelRegistry.provider("ratio_kl", provider).extras["backward"](
+        g_log_ratio,
+        g_ratio,
+        g_k1,
+        g_k2,
+        g_k3,
+        g_seq_log_ratio,
+        g_seq_ratio,
+        logp,
+        old_logp,
+        mask,
+        log_ratio_clamp,
+        geometric,
+    )
+
+
+@_ratio_kl_backward_op.register_fake
+def _(g1, g2, g3, g4, g5, g6, g7, logp, old_logp, mask, log_ratio_clamp, geometric, provider):
+    return torch.empty_like(logp), torch.empty_like(old_logp)
+
+
+def _setup_context(ctx, inputs, output):
+    logp, old_logp, mask, clamp = inputs[:4]
+    geometric, provider = inputs[10], inputs[11]
+    ctx.save_for_backward(logp, old_logp, mask)
+    ctx.clamp = clamp
+    ctx.geometric = geometric
+    ctx.provider = provider
+    ctx.mark_non_differentiable(output[5], output[6], output[9], output[10])
+
+
+def _backward(ctx, *grads):
+    logp, old_logp, mask = ctx.saved_tensors
+    b, t = logp.shape
+
+    def g(i: int, shape: tuple[int, ...]) -> torch.Tensor:
+        gi = grads[i]
+        return gi if gi is not None else logp.new_zeros(shape, dtype=torch.float32)
+
+    d_logp, d_old = _ratio_kl_backward_op(
+        g(0, (b, t)),
+        g(1, (b, t)),
+        g(2, (b, t)),
+        g(3, (b, t)),
+        g(4, (b, t)),
+        g(7, (b,)),
+        g(8, (b,)),
+        logp,
+        old_logp,
+        mask,
+        ctx.clamp,
+        ctx.geometric,
+        ctx.provider,
+    )
+    return (
+        d_logp if ctx.needs_input_grad[0] else None,
+        d_old if ctx.needs_input_grad[1] else None,
+        *([None] * 10),
+    )
+
+
+_ratio_kl_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _options(
+    log_ratio_clamp: float,
+    token_is_cap: float | None,
+    seq_is_cap: float | None,
+    token_mis: tuple[float, float] | None,
+    seq_mis: tuple[float, float] | None,
+    seq_mode: str,
+) -> tuple[float, float, float, float, float, float, float, bool]:
+    if seq_mode not in _SEQ_MODES:
+        raise ValueError(f"ratio_kl: seq_mode must be one of {list(_SEQ_MODES)}, got {seq_mode!r}")
+    for name, rng in (("token_mis", token_mis), ("seq_mis", seq_mis)):
+        if rng is not None and (not isinstance(rng, (tuple, list)) or len(rng) != 2):
+            raise ValueError(f"ratio_kl: {name} must be None or a (low, high) pair, got {rng!r}")
+    tlo, thi = (0.0, math.inf) if token_mis is None else (float(token_mis[0]), float(token_mis[1]))
+    slo, shi = (0.0, math.inf) if seq_mis is None else (float(seq_mis[0]), float(seq_mis[1]))
+    return (
+        float(log_ratio_clamp),
+        math.inf if token_is_cap is None else float(token_is_cap),
+        math.inf if seq_is_cap is None else float(seq_is_cap),
+        tlo,
+        thi,
+        slo,
+        shi,
+        seq_mode == "mean",
+    )
+
+
+def _entry(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    log_ratio_clamp: float = 20.0,
+    token_is_cap: float | None = None,
+    seq_is_cap: float | None = None,
+    token_mis: tuple[float, float] | None = None,
+    seq_mis: tuple[float, float] | None = None,
+    seq_mode: str = "sum",
+    provider: str,
+) -> RatioKL:
+    opts = _options(log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
+    if mask is not None:
+        check_tensor("mask", mask)
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+    reference._check(logp, old_logp, mask, *opts[:7])
+    return RatioKL(*_ratio_kl_op(logp, old_logp, mask, *opts, provider))
+
+
+def ratio_kl(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    log_ratio_clamp: float = 20.0,
+    token_is_cap: float | None = None,
+    seq_is_cap: float | None = None,
+    token_mis: tuple[float, float] | None = None,
+    seq_mis: tuple[float, float] | None = None,
+    seq_mode: str = "sum",
+    backend: str | None = None,
+) -> RatioKL:
+    """Importance ratio ``p / q``, KL(q || p) estimators and IS weights of sampled tokens.
+
+    Tokens were sampled from q (``old_logp``, e.g. the rollout engine's log-probs); p is the
+    policy of ``logp`` (e.g. the trainer's). For the usual KL penalty against a reference model,
+    ``ratio_kl(ref_logp, logp).k3`` is ``exp(ref - logp) - (ref - logp) - 1``.
+    See :mod:`rl_engine.ops.ratio_kl.reference` for the exact math.
+
+    Args:
+        logp: [B, T] fp32 / bf16 / fp16 log-probs of p.
+        old_logp: [B, T] fp32 / bf16 / fp16 log-probs of q.
+        mask: optional [B, T] (bool, or numbers: nonzero = real token); None = all real.
+        log_ratio_clamp: C > 0; every log-ratio is clamped to [-C, C] before ``exp``.
+        token_is_cap: cap of the truncated token IS weight ``min(ratio, cap)``; None = no cap.
+        seq_is_cap: cap of the truncated sequence IS weight; None = no cap.
+        token_mis: (low, high): tokens whose ratio is outside get weight 0 and keep False.
+        seq_mis: (low, high): the same for the sequence ratio.
+        seq_mode: ``"sum"`` (sequence ratio = product of token ratios) or ``"mean"`` (geometric
+            mean of the token ratios, as GSPO).
+        backend: provider name; None = the registry's choice.
+
+    Returns:
+        A :class:`RatioKL`. Gradients flow to ``logp`` and ``old_logp`` from ``log_ratio``,
+        ``ratio``, ``k1``-``k3``, ``seq_log_ratio`` and ``seq_ratio``; weights are detached.
+    """
+    check_tensor("logp", logp)
+    provider = resolve_provider("ratio_kl", logp.device.type, backend)
+    return _entry(
+        logp,
+        old_logp,
+        mask,
+        log_ratio_clamp=log_ratio_clamp,
+        token_is_cap=token_is_cap,
+        seq_is_cap=seq_is_cap,
+        token_mis=token_mis,
+        seq_mis=seq_mis,
+        seq_mode=seq_mode,
+        provider=provider,
+    )
+
+
+KernelRegistry.register_op("ratio_kl", entry=_entry, reference=reference.ratio_kl)
+KernelRegistry.register_provider(
+    Provider(
+        op="ratio_kl",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="ratio_kl/native",
+        fn=reference.ratio_kl,
+        extras={"backward": reference.ratio_kl_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Bitwise row invariance of every output and of the gradient (``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(37, 3, 29, generator=g) * 0.3).to(device)
+    x[:, 2] = (torch.rand(37, 29, generator=g) > 0.2).to(device)
+
+    def fwd(t: torch.Tensor) -> torch.Tensor:
+        out = ratio_kl(t[:, 0], t[:, 1], t[:, 2], token_is_cap=2.0, seq_mis=(0.5, 2.0))
+        cols = [o.float().reshape(t.shape[0], -1) for o in out]
+        return torch.cat(cols, dim=1)
+
+    check_row_invariance(fwd, x, counts=(1, 17, 33), what="ratio_kl")
+    lp = x[:, 0].clone().requires_grad_(True)
+    out = ratio_kl(lp, x[:, 1], x[:, 2])
+    (out.k3.sum() + out.seq_ratio.sum()).backward()
+    lp1 = x[:1, 0].clone().requires_grad_(True)
+    out1 = ratio_kl(lp1, x[:1, 1], x[:1, 2])
+    (out1.k3.sum() + out1.seq_ratio.sum()).backward()
+    assert_bitwise(lp1.grad, lp.grad[:1], "ratio_kl d logp row 0")

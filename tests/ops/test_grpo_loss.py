@@ -1,0 +1,388 @@
+"""grpo_loss: numerics vs float64 (loss, metrics, d logp), determinism, padding / row invariance,
+GSPO gradient identity, errors, opcheck."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rl_engine import KernelRegistry
+from rl_engine.ops import grpo_loss
+from rl_engine.ops.grpo_loss import AGG_MODES
+from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+
+DTYPES = [torch.float32, torch.bfloat16]
+# every option on: DAPO clip-higher, dual clip, k3 KL penalty, rollout IS weights
+_FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.05)
+
+
+def _providers():
+    return [p.name for p in KernelRegistry.providers("grpo_loss", "cpu") if p.invariant]
+
+
+@pytest.fixture(params=_providers())
+def backend(request):
+    try:
+        KernelRegistry.get_op("grpo_loss", device="cpu", backend=request.param)
+    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
+        pytest.skip(str(exc))
+    return request.param
+
+
+def _data(b, t, dtype=torch.float32, *, seed=0, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    lp = (torch.randn(b, t, generator=g) * 0.5 - 1.5).to(dtype)
+    off = torch.randn(b, 1, generator=g) * 0.3  # per-sequence shift: GSPO ratios vary too
+    old = (lp.float() + off + torch.randn(b, t, generator=g) * scale).to(dtype)
+    ref = (lp.float() + torch.randn(b, t, generator=g) * 0.2).to(dtype)
+    adv = torch.randn(b, generator=g)
+    w = torch.rand(b, t, generator=g) * 1.5
+    mask = torch.rand(b, t, generator=g) > 0.2
+    mask[1, :] = False  # an empty sequence in the middle
+    return lp, old, ref, adv, w, mask
+
+
+def _ref64(
+    lp,
+    old,
+    adv,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    ratio_type="token",
+    loss_agg="token-mean",
+    loss_norm=None,
+    kl_beta=0.0,
+    ref_logp=None,
+    rollout_is_weights=None,
+    log_ratio_clamp=20.0,
+):
+    """The formulas of docs/operators/grpo_loss.md in float64 with torch autograd."""
+    c = log_ratio_clamp
+    x = lp.detach().double().requires_grad_(True)
+    keep = mask.bool()
+    m = keep.double()
+    z = torch.zeros((), dtype=torch.float64)
+    lpz = torch.where(keep, x, z)
+    raw = lpz - torch.where(keep, old.double(), z)
+    a = adv.double()
+    a = torch.where(keep, a[:, None].expand_as(raw) if a.dim() == 1 else a, z)
+    n = m.sum(-1)
+    tok_lr = raw.clamp(-c, c)
+    if ratio_type == "token":
+        logr = tok_lr
+    else:  # GSPO-token: value of the sequence mean, gradient 1 wrt each token's logp
+        s = raw.sum(-1) / n.clamp(min=1)
+        logr = (lpz - lpz.detach() + s.detach()[:, None]).clamp(-c, c)
+    r = torch.exp(logr)
+    pg1 = -a * r
+    pg2 = -a * r.clamp(1 - clip_low, 1 + clip_high)
+    clipped = pg2 > pg1
+    pg = torch.maximum(pg1, pg2)
+    dual = torch.zeros_like(keep)
+    if dual_clip is not None:
+        pg3 = -a * dual_clip
+        dual = (a < 0) & (pg > pg3)
+        pg = torch.where(dual, pg3, pg)
+    if rollout_is_weights is not None:
+        w = rollout_is_weights.double()
+        pg = pg * torch.where(keep, w[:, None].expand_as(raw) if w.dim() == 1 else w, z)
+    nseq = (n > 0).double().sum()
+    ntok = n.sum()
+
+    def agg(v):
+        s = (v * m).sum(-1)
+        if loss_agg == "token-mean":
+            return s.sum() / (loss_norm or ntok.clamp(min=1))
+        if loss_agg == "seq-mean-token-mean":
+            return (s / n.clamp(min=1)).sum() / (loss_norm or nseq.clamp(min=1))
+        if loss_agg == "seq-mean-token-sum":
+            return s.sum() / (loss_norm or nseq.clamp(min=1))
+        return s.sum() / (loss_norm or raw.shape[1])
+
+    pg_loss = agg(pg)
+    kl_loss = torch.zeros((), dtype=torch.float64)
+    if ref_logp is not None:
+        d = (torch.where(keep, ref_logp.double(), z) - lpz).clamp(-c, c)
+        kl_loss = agg(torch.exp(d) - d - 1)
+    loss = pg_loss + kl_beta * kl_loss
+    (grad,) = torch.autograd.grad(loss, x)
+
+    def tmean(v):
+        return (v.double() * m).sum() / ntok.clamp(min=1)
+
+    rr = r.detach()
+    metrics = dict(
+        pg_loss=pg_loss,
+        kl_loss=kl_loss,
+        clip_frac=tmean(clipped),
+        clip_frac_low=tmean(clipped & (rr < 1)),
+        clip_frac_high=tmean(clipped & (rr > 1)),
+        dual_clip_frac=tmean(dual),
+        ppo_kl=tmean(-tok_lr),
+        approx_kl=tmean(torch.expm1(tok_lr) - tok_lr),
+        approx_kl_k2=tmean(0.5 * tok_lr**2),
+        ratio_mean=tmean(rr),
+        ratio_min=rr[keep].min() if keep.any() else z,
+        ratio_max=rr[keep].max() if keep.any() else z,
+        num_tokens=ntok,
+        num_seqs=nseq,
+    )
+    return loss.detach(), {k: v.detach() for k, v in metrics.items()}, grad
+
+
+def _run(lp, old, adv, mask, backend, **kw):
+    x = lp.clone().requires_grad_(True)
+    out = grpo_loss(x, old, adv, mask, backend=backend, **kw)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    return out, grad
+
+
+def _compare(out, grad, ref, dtype, what):
+    loss, metrics, rgrad = ref
+    rtol, atol = FP32_OUT  # inputs exact in fp32; fp32 math and fixed-order fp32 sums
+    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
+    assert_close(out.loss, loss, rtol=rtol, atol=atol, what=f"{what} loss")
+    for name, v in metrics.items():
+        assert_close(getattr(out.metrics, name), v, rtol=rtol, atol=atol, what=f"{what} {name}")
+    assert grad.dtype == dtype
+    # the gradient is fp32 math rounded once to logp.dtype; its scale is 1 / D, so atol is
+    # taken relative to the largest gradient element
+    grtol, gatol = FP32_OUT if dtype == torch.float32 else tolerance(dtype)
+    scale = rgrad.abs().max().item()
+    assert_close(grad, rgrad, rtol=grtol, atol=gatol * scale, what=f"{what} d logp")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
+@pytest.mark.parametrize("loss_agg", AGG_MODES)
+def test_vs_float64_all_options(backend, dtype, ratio_type, loss_agg):
+    lp, old, ref, adv, w, mask = _data(17, 31, dtype)
+    kw = dict(_FULL, ratio_type=ratio_type, loss_agg=loss_agg, ref_logp=ref, rollout_is_weights=w)
+    out, grad = _run(lp, old, adv, mask, backend, **kw)
+    _compare(out, grad, _ref64(lp, old, adv, mask, **kw), dtype, f"{ratio_type} {loss_agg}")
+    if ratio_type == "token":  # the data exercise every branch
+        assert out.metrics.clip_frac_low > 0 and out.metrics.clip_frac_high > 0
+        assert out.metrics.dual_clip_frac > 0
+    else:
+        assert 0 < out.metrics.clip_frac < 1
+
+
+@pytest.mark.parametrize("loss_agg", AGG_MODES)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # plain GRPO / PPO, symmetric clip
+        {"clip_low": 0.1, "clip_high": 0.4, "loss_norm": 123.0},
+        {"dual_clip": 1.5, "log_ratio_clamp": 0.6},  # clamp active: gradient stops there
+        {"ratio_type": "sequence", "clip_low": 3e-2, "clip_high": 4e-2},  # GSPO-like ranges
+    ],
+)
+def test_vs_float64_variants(backend, loss_agg, kw):
+    lp, old, ref, adv, w, mask = _data(33, 29, seed=3)
+    adv_tok = adv[:, None] + 0.1 * torch.randn(33, 29)  # per-token advantages
+    out, grad = _run(lp, old, adv_tok, mask, backend, loss_agg=loss_agg, **kw)
+    ref_out = _ref64(lp, old, adv_tok, mask, loss_agg=loss_agg, **kw)
+    _compare(out, grad, ref_out, torch.float32, f"{kw} {loss_agg}")
+
+
+def test_gspo_gradient_equals_sequence_objective(backend):
+    """GSPO-token with seq-mean-token-mean has the gradient of GSPO's sequence objective
+    mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t log-ratio)."""
+    lp, old, _, adv, _, mask = _data(19, 23, seed=7)
+    kw = dict(ratio_type="sequence", loss_agg="seq-mean-token-mean", clip_low=0.05, clip_high=0.08)
+    out, grad = _run(lp, old, adv, mask, backend, **kw)
+    x = lp.double().requires_grad_(True)
+    m = mask.double()
+    n = m.sum(-1)
+    s = torch.exp(((x - old.double()) * m).sum(-1) / n.clamp(min=1))
+    a = adv.double()
+    obj = torch.maximum(-a * s, -a * s.clamp(1 - 0.05, 1 + 0.08))
+    loss = (obj * (n > 0)).sum() / (n > 0).sum()
+    (g64,) = torch.autograd.grad(loss, x)
+    assert_close(out.loss, loss, rtol=FP32_OUT[0], atol=FP32_OUT[1], what="GSPO loss")
+    assert_close(grad, g64, rtol=FP32_OUT[0], atol=FP32_OUT[1] * g64.abs().max(), what="GSPO grad")
+    assert out.metrics.clip_frac > 0
+
+
+def test_on_policy_semantics(backend):
+    """old == logp: ratio 1, nothing clipped, loss = -AGG(A), d logp = -A * c."""
+    lp, _, _, adv, _, mask = _data(8, 13)
+    out, grad = _run(lp, lp, adv, mask, backend, loss_agg="seq-mean-token-sum", loss_norm=8.0)
+    a = torch.where(mask, adv[:, None].expand(8, 13), torch.zeros(()))
+    assert_bitwise(grad, -a / 8.0, "on-policy gradient")
+    assert out.metrics.clip_frac == 0 and out.metrics.ratio_min == 1 and out.metrics.ratio_max == 1
+    assert out.metrics.ppo_kl == 0 and out.metrics.approx_kl == 0
+
+
+def test_kl_beta_zero_and_metric_consistency(backend):
+    lp, old, ref, adv, _, mask = _data(17, 31)
+    out, _ = _run(lp, old, adv, mask, backend, kl_beta=0.0, ref_logp=ref, clip_high=0.28)
+    assert_bitwise(out.loss, out.metrics.pg_loss, "kl_beta=0: loss == pg_loss")
+    assert out.metrics.kl_loss > 0  # still reported
+    m = out.metrics
+    assert abs(m.clip_frac - m.clip_frac_low - m.clip_frac_high) < 1e-6
+    assert m.num_tokens == mask.sum() and m.num_seqs == (mask.any(1)).sum()
+    with_kl, _ = _run(lp, old, adv, mask, backend, kl_beta=0.1, ref_logp=ref, clip_high=0.28)
+    assert_bitwise(with_kl.loss, m.pg_loss + 0.1 * m.kl_loss, "loss = pg + beta * kl")
+
+
+@pytest.mark.parametrize("loss_agg", AGG_MODES)
+@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
+def test_run_to_run_bitwise(backend, loss_agg, ratio_type):
+    lp, old, ref, adv, w, mask = _data(31, 47, torch.bfloat16)
+    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type, ref_logp=ref, rollout_is_weights=w)
+    o1, g1 = _run(lp, old, adv, mask, backend, **kw)
+    o2, g2 = _run(lp, old, adv, mask, backend, **kw)
+    assert_bitwise(o1.loss, o2.loss, "loss")
+    assert_bitwise(torch.stack(o1.metrics), torch.stack(o2.metrics), "metrics")
+    assert_bitwise(g1, g2, "d logp")
+
+
+def _pad(x, rows, cols, value):
+    x = torch.cat([x, torch.full((x.shape[0], cols), value, dtype=x.dtype)], 1)
+    return torch.cat([x, torch.full((rows, x.shape[1]), value, dtype=x.dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
+@pytest.mark.parametrize("loss_agg", AGG_MODES)
+def test_masked_padding_invariance(backend, dtype, ratio_type, loss_agg):
+    """Fully-masked sequences appended at the end and masked tokens appended to every row (with
+    NaN values) leave loss, metrics and d logp of the real tokens bitwise unchanged whenever the
+    normaliser D is unchanged (seq-mean-token-sum-norm's default D = T changes with the columns,
+    so padding columns are tested there with an explicit loss_norm)."""
+    lp, old, ref, adv, w, mask = _data(17, 31, dtype)
+    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type)
+    base, gbase = _run(lp, old, adv, mask, backend, ref_logp=ref, rollout_is_weights=w, **kw)
+    norm_kw = {"loss_norm": 31.0} if loss_agg == "seq-mean-token-sum-norm" else {}
+    if norm_kw:
+        b2, g2 = _run(
+            lp, old, adv, mask, backend, ref_logp=ref, rollout_is_weights=w, **kw, **norm_kw
+        )
+        assert_bitwise(b2.loss, base.loss, "explicit loss_norm = T")
+    for rows, cols in [(1, 0), (15, 0), (0, 1), (0, 33), (4, 6)]:
+        extra = norm_kw if cols else {}
+        nan = math.nan
+        out, grad = _run(
+            _pad(lp, rows, cols, nan),
+            _pad(old, rows, cols, nan),
+            torch.cat([adv, torch.full((rows,), nan)]),
+            _pad(mask, rows, cols, False),
+            backend,
+            ref_logp=_pad(ref, rows, cols, nan),
+            rollout_is_weights=_pad(w, rows, cols, nan),
+            **kw,
+            **extra,
+        )
+        what = f"+{rows} rows +{cols} cols"
+        assert_bitwise(out.loss, base.loss, f"loss {what}")
+        assert_bitwise(torch.stack(out.metrics), torch.stack(base.metrics), f"metrics {what}")
+        assert_bitwise(grad[:17, :31], gbase, f"d logp {what}")
+        assert (grad[17:] == 0).all() and (grad[:, 31:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
+@pytest.mark.parametrize("loss_agg", AGG_MODES)
+def test_row_invariance_of_grad_with_fixed_norm(backend, dtype, ratio_type, loss_agg):
+    """With an explicit loss_norm, d logp of sequence b depends on sequence b only."""
+    lp, old, ref, adv, w, mask = _data(199, 21, dtype, seed=11)
+    x = torch.stack(
+        [lp.float(), old.float(), adv[:, None].expand(199, 21), mask.float(), ref.float(), w],
+        dim=1,
+    )
+
+    def f(t):
+        _, grad = _run(
+            t[:, 0].to(dtype),
+            t[:, 1].to(dtype),
+            t[:, 2],
+            t[:, 3],
+            backend,
+            ref_logp=t[:, 4].to(dtype),
+            rollout_is_weights=t[:, 5],
+            loss_norm=1000.0,
+            loss_agg=loss_agg,
+            ratio_type=ratio_type,
+            **_FULL,
+        )
+        return grad
+
+    check_row_invariance(f, x, counts=(1, 17, 31, 33, 199), what=f"d logp {loss_agg}")
+
+
+def test_empty_batch(backend):
+    lp = torch.zeros(3, 5)
+    out, grad = _run(lp, lp, torch.ones(3), torch.zeros(3, 5, dtype=torch.bool), backend)
+    assert out.loss == 0 and (grad == 0).all() and out.metrics.ratio_max == 0
+    out0, _ = _run(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0), None, backend)
+    assert out0.loss == 0
+
+
+def test_compile_matches_eager(backend):
+    lp, old, ref, adv, w, mask = _data(9, 11)
+
+    def f(x, y, a, m):
+        return grpo_loss(x, y, a, m, clip_high=0.28, dual_clip=3.0, backend=backend).loss
+
+    cf = torch.compile(f, fullgraph=True, backend="eager")
+    assert_bitwise(cf(lp, old, adv, mask), f(lp, old, adv, mask), "compile vs eager")
+
+
+def test_opcheck():
+    lp, old, ref, adv, w, mask = _data(5, 7)
+    a = adv[:, None].expand(5, 7).contiguous()
+    x = lp.clone().requires_grad_(True)
+    opts = (0.2, 0.28, 3.0, "token", "seq-mean-token-mean", 0.0, 0.1, 20.0, "native")
+    torch.library.opcheck(torch.ops.rl_engine.grpo_loss.default, (x, old, a, mask, ref, w, *opts))
+    opts_s = (0.2, 0.2, 0.0, "sequence", "token-mean", 10.0, 0.0, 20.0, "native")
+    torch.library.opcheck(
+        torch.ops.rl_engine.grpo_loss.default, (x, old, a, mask, None, None, *opts_s)
+    )
+    torch.library.opcheck(
+        torch.ops.rl_engine.grpo_loss_backward.default,
+        (torch.tensor(1.0), lp, old, a, mask, ref, w, *opts),
+    )
+
+
+_X = torch.randn(3, 4)
+_M = torch.ones(3, 4, dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((_X, torch.randn(3, 5), _X, _M), {}, ValueError, "old_logp has shape"),
+        ((_X, _X, torch.randn(4), _M), {}, ValueError, "advantages has shape"),
+        ((_X, _X, torch.randn(3, 4, 1), _M), {}, ValueError, "dims"),
+        ((_X, _X, _X, torch.ones(3, 5)), {}, ValueError, "mask has shape"),
+        ((_X, _X, _X, _M), {"ref_logp": torch.randn(2, 4)}, ValueError, "ref_logp has shape"),
+        ((_X, _X, _X, _M), {"rollout_is_weights": torch.randn(5)}, ValueError, "rollout_is"),
+        ((_X.double(), _X.double(), _X, _M), {}, TypeError, "not supported"),
+        ((_X, _X, _X.long(), _M), {}, TypeError, "not supported"),
+        ((_X[0], _X[0], _X[0], _M[0]), {}, ValueError, "dims"),
+        ((_X, torch.randn(3, 4, device="meta"), _X, _M), {}, ValueError, "device"),
+        ((_X, _X, _X, _M), {"loss_agg": "seq-sum"}, ValueError, "loss_agg"),
+        ((_X, _X, _X, _M), {"ratio_type": "seq"}, ValueError, "ratio_type"),
+        ((_X, _X, _X, _M), {"clip_low": 1.0}, ValueError, "clip_low"),
+        ((_X, _X, _X, _M), {"clip_low": -0.1}, ValueError, "clip_low"),
+        ((_X, _X, _X, _M), {"clip_high": math.inf}, ValueError, "clip_high"),
+        ((_X, _X, _X, _M), {"dual_clip": 1.0}, ValueError, "dual_clip"),
+        ((_X, _X, _X, _M), {"dual_clip": 0.0}, ValueError, "dual_clip"),
+        ((_X, _X, _X, _M), {"loss_norm": 0.0}, ValueError, "loss_norm"),
+        ((_X, _X, _X, _M), {"loss_norm": -2.0}, ValueError, "loss_norm"),
+        ((_X, _X, _X, _M), {"kl_beta": 0.1}, ValueError, "needs ref_logp"),
+        ((_X, _X, _X, _M), {"kl_beta": -0.1, "ref_logp": _X}, ValueError, "kl_beta"),
+        ((_X, _X, _X, _M), {"log_ratio_clamp": 0.0}, ValueError, "log_ratio_clamp"),
+        ((_X, _X.clone().requires_grad_(True), _X, _M), {}, ValueError, "old_logp requires grad"),
+    ],
+)
+def test_errors(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        grpo_loss(*args, backend="native", **kwargs)
