@@ -1,12 +1,17 @@
+"""Functional API of the ops. Each resolves its provider through :class:`KernelRegistry`.
 
 ``rl_engine.ops.det_gemm(a, b)`` etc.; every function takes an optional keyword ``backend=`` that
 pins a provider for that call (it raises when the provider cannot run). The op packages
 (``rl_engine.ops.<op>``) stay importable by full name; the package attributes are the functions.
+"""
 
 from __future__ import annotations
 
 from rl_engine.ops.det_gemm import det_gemm
+from rl_engine.ops.entropy import entropy
 from rl_engine.ops.grpo_loss import grpo_loss
+from rl_engine.ops.linear_logp import linear_logp
+from rl_engine.ops.logp import logp
 from rl_engine.ops.ratio_kl import ratio_kl
 from rl_engine.ops.rms_norm import rms_norm
 from rl_engine.ops.rope import rope
@@ -14,7 +19,10 @@ from rl_engine.ops.silu_and_mul import silu_and_mul
 
 __all__ = [
     "det_gemm",
+    "entropy",
     "grpo_loss",
+    "linear_logp",
+    "logp",
     "ratio_kl",
     "rms_norm",
     "rope",

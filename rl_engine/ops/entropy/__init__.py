@@ -1,0 +1,139 @@
+"""``entropy``: batch-invariant entropy of ``softmax(logits / T)`` per row, in fp32.
+
+Custom ops: ``rl_engine::entropy(logits, temperature, provider) -> (entropy, lse)`` (``lse`` is
+saved for the backward and is not differentiable) and
+``rl_engine::entropy_backward(logits, temperature, lse, entropy, grad, provider) -> dlogits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.entropy import reference, stock
+from rl_engine.ops.logp.reference import VOCAB_TILE
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["entropy"]
+
+
+@torch.library.custom_op("rl_engine::entropy", mutates_args=())
+def _entropy_op(
+    logits: torch.Tensor, temperature: float, provider: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KernelRegistry.provider("entropy", provider).extras["forward"](logits, temperature)
+
+
+@_entropy_op.register_fake
+def _(logits, temperature, provider):
+    reference._check(logits, temperature)
+    t = logits.shape[0]
+    return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::entropy_backward", mutates_args=())
+def _entropy_backward_op(
+    logits: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+    provider: str,
+) -> torch.Tensor:
+    fn = KernelRegistry.provider("entropy", provider).extras["backward"]
+    return fn(logits, temperature, lse, entropy, grad)
+
+
+@_entropy_backward_op.register_fake
+def _(logits, temperature, lse, entropy, grad, provider):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, temperature, provider = inputs
+    ent, lse = output
+    ctx.save_for_backward(logits, lse, ent)
+    ctx.temperature = temperature
+    ctx.provider = provider
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad, _grad_lse):
+    logits, lse, ent = ctx.saved_tensors
+    dlogits = None
+    if ctx.needs_input_grad[0]:
+        dlogits = _entropy_backward_op(logits, ctx.temperature, lse, ent, grad, ctx.provider)
+    return dlogits, None, None
+
+
+_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(logits: torch.Tensor, temperature: float = 1.0, *, provider: str) -> torch.Tensor:
+    reference._check(logits, temperature)
+    return _entropy_op(logits, float(temperature), provider)[0]
+
+
+def entropy(
+    logits: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None
+) -> torch.Tensor:
+    """Batch-invariant entropy of ``softmax(logits / temperature)`` per row (fp32 [T], nats).
+
+    Args:
+        logits: [T, V] float32 / bfloat16 / float16.
+        temperature: Python float > 0.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        fp32 [T]; differentiable wrt ``logits``.
+
+    See :func:`rl_engine.ops.entropy.reference.entropy` for the contract.
+    """
+    reference._check(logits, temperature)
+    provider = resolve_provider("entropy", logits.device.type, backend)
+    return _entry(logits, temperature, provider=provider)
+
+
+KernelRegistry.register_op("entropy", entry=_entry, reference=reference.entropy)
+KernelRegistry.register_provider(
+    Provider(
+        op="entropy",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics=f"entropy/native-v{VOCAB_TILE}",
+        fn=reference.entropy,
+        extras={"forward": reference.entropy_forward, "backward": reference.entropy_backward},
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="entropy",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="entropy/stock-torch",
+        fn=stock.entropy,
+        extras={"forward": stock.entropy_forward, "backward": stock.entropy_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
+    from rl_engine.testing.invariance import check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab = VOCAB_TILE + 77  # two tiles, the second one partial
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
+
+        def dx(rows):
+            rows = rows.clone().requires_grad_(True)
+            entropy(rows, 0.7).backward(rows[:, 1].detach().float() + 0.5)
+            return rows.grad
+
+        check_row_invariance(lambda r: entropy(r, 0.7), x, counts=(1, 17), what="entropy")
+        check_row_invariance(dx, x, counts=(1, 17), what=f"entropy dlogits {dtype}")

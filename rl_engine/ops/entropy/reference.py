@@ -1,0 +1,78 @@
+"""PyTorch reference of ``entropy`` (the ``native`` provider): the spec of the op.
+
+Numerics (family ``entropy/native-v1024``): the tiled online reduction of
+:class:`rl_engine.ops.logp.reference.VocabLogSumExp` (same tiles, same order, same ``lse`` bits
+as ``logp``), which also keeps ``u = sum_j exp(z_j - m) (z_j - m)`` with the same rescaling, and
+``entropy = log(s) - u / s``, where ``z = logits.float() / temperature``. Row invariant by
+construction (elementwise ops, ``amax`` and ``tree_sum`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_engine.ops._common import check_float, check_tensor
+from rl_engine.ops.logp.reference import (
+    VOCAB_TILE,
+    VocabLogSumExp,
+    check_temperature,
+    dz_tile,
+    scale,
+    temperature_tensor,
+)
+
+__all__ = ["entropy", "entropy_backward", "entropy_forward"]
+
+
+def _check(logits: Any, temperature: Any) -> None:
+    check_tensor("logits", logits, dims=2)
+    check_float("logits", logits)
+    check_temperature(temperature)
+    if logits.shape[1] == 0:
+        raise ValueError("logits has an empty vocabulary dimension (shape [T, 0])")
+
+
+def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`."""
+    _check(logits, temperature)
+    temp = temperature_tensor(temperature, logits.device)
+    state = VocabLogSumExp(logits.shape[0], logits.device, with_entropy=True)
+    state.add(logits, temp)
+    lse, ent = state.lse_and_entropy()
+    return ent, lse
+
+
+def entropy_backward(
+    logits: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor:
+    """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype`` [T, V]."""
+    temp = temperature_tensor(temperature, logits.device)
+    out = torch.empty_like(logits)
+    g = grad.float()
+    for c0 in range(0, logits.shape[1], VOCAB_TILE):
+        z = scale(logits[:, c0 : c0 + VOCAB_TILE], temp)
+        dz = dz_tile(z, lse, col0=c0, entropy=entropy, grad_entropy=g)
+        out[:, c0 : c0 + VOCAB_TILE] = (dz / temp).to(logits.dtype)
+    return out
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per row.
+
+    Equivalent to ``-(p * log p).sum(-1)`` with ``p = softmax(logits.float() / temperature)``,
+    computed with the tiled online reduction of the module docstring.
+
+    Args:
+        logits: [T, V] float32 / bfloat16 / float16, any strides.
+        temperature: Python float > 0.
+
+    Returns:
+        fp32 [T] (nats).
+    """
+    return entropy_forward(logits, temperature)[0]

@@ -1,0 +1,38 @@
+"""``stock`` provider of ``entropy``: torch's ``logsumexp`` / ``softmax`` / ``sum``.
+
+Not batch invariant (reduction order chosen by the framework). Audit mode only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops.entropy.reference import _check
+
+
+def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entropy, lse)`` fp32 [T] with torch's own reductions."""
+    _check(logits, temperature)
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    return lse - (p * z).sum(-1), lse
+
+
+def entropy_backward(
+    logits: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor:
+    """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype``."""
+    z = logits.float() / temperature
+    p = torch.exp(z - lse[:, None])
+    d = -p * (z - lse[:, None] + entropy[:, None])
+    return (d * grad.float()[:, None] / temperature).to(logits.dtype)
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` with torch's reductions (fp32 [T])."""
+    return entropy_forward(logits, temperature)[0]

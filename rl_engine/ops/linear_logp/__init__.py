@@ -1,0 +1,230 @@
+"""``linear_logp``: LM head + token log-probabilities (and entropy) without [T, V] logits.
+
+Custom ops: ``rl_engine::linear_logp(hidden, weight, tokens, temperature, return_entropy,
+provider) -> (logp, entropy, lse)`` (``entropy`` is empty [0] unless requested; ``lse`` is saved
+for the backward and is not differentiable) and ``rl_engine::linear_logp_backward(...) ->
+(dhidden, dweight)``, which recomputes the logits block by block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.linear_logp import reference, stock
+from rl_engine.ops.logp.reference import VOCAB_TILE
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["linear_logp"]
+
+
+@torch.library.custom_op("rl_engine::linear_logp", mutates_args=())
+def _linear_logp_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fn = KernelRegistry.provider("linear_logp", provider).extras["forward"]
+    return fn(hidden, weight, tokens, temperature, return_entropy)
+
+
+@_linear_logp_op.register_fake
+def _(hidden, weight, tokens, temperature, return_entropy, provider):
+    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    t = hidden.shape[0]
+    f32 = torch.float32
+    return (
+        hidden.new_empty(t, dtype=f32),
+        hidden.new_empty(t if return_entropy else 0, dtype=f32),
+        hidden.new_empty(t, dtype=f32),
+    )
+
+
+@torch.library.custom_op("rl_engine::linear_logp_backward", mutates_args=())
+def _linear_logp_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    need_dhidden: bool,
+    need_dweight: bool,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = KernelRegistry.provider("linear_logp", provider).extras["backward"]
+    return fn(
+        hidden,
+        weight,
+        tokens,
+        temperature,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        need_dhidden,
+        need_dweight,
+    )
+
+
+@_linear_logp_backward_op.register_fake
+def _(
+    hidden,
+    weight,
+    tokens,
+    temperature,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    need_dhidden,
+    need_dweight,
+    provider,
+):
+    dh = torch.empty_like(hidden) if need_dhidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if need_dweight else weight.new_empty(0)
+    return dh, dw
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, tokens, temperature, return_entropy, provider = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(hidden, weight, tokens, lse, ent)
+    ctx.temperature = temperature
+    ctx.return_entropy = return_entropy
+    ctx.provider = provider
+    ctx.mark_non_differentiable(lse)
+    if not return_entropy:
+        ctx.mark_non_differentiable(ent)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    hidden, weight, tokens, lse, ent = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dh or need_dw):
+        return None, None, None, None, None, None
+    dh, dw = _linear_logp_backward_op(
+        hidden,
+        weight,
+        tokens,
+        ctx.temperature,
+        lse,
+        ent,
+        grad_logp,
+        grad_entropy if ctx.return_entropy else None,
+        need_dh,
+        need_dw,
+        ctx.provider,
+    )
+    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None
+
+
+_linear_logp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    provider: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    lp, ent, _ = _linear_logp_op(
+        hidden, weight, tokens, float(temperature), return_entropy, provider
+    )
+    return (lp, ent) if return_entropy else lp
+
+
+def linear_logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant LM-head token log-probabilities, never materialising [T, V] logits.
+
+    Bitwise equal to ``logp(det_gemm(hidden, weight.t()), tokens, temperature)`` (and, with
+    ``return_entropy``, to ``entropy(det_gemm(hidden, weight.t()), temperature)``).
+
+    Args:
+        hidden: [T, H] float32 / bfloat16 / float16.
+        weight: [V, H] same dtype (LM head as stored).
+        tokens: [T] int64 / int32 ids in ``[0, V)`` (checked on the CPU).
+        temperature: Python float > 0.
+        return_entropy: also return the entropy [T].
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        fp32 ``logp`` [T], or ``(logp, entropy)``; differentiable wrt ``hidden`` and ``weight``.
+
+    See :func:`rl_engine.ops.linear_logp.reference.linear_logp` for the contract.
+    """
+    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    provider = resolve_provider("linear_logp", hidden.device.type, backend)
+    return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
+
+
+KernelRegistry.register_op("linear_logp", entry=_entry, reference=reference.linear_logp)
+KernelRegistry.register_provider(
+    Provider(
+        op="linear_logp",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics=f"linear_logp/native-v{VOCAB_TILE}",
+        fn=reference.linear_logp,
+        extras={
+            "forward": reference.linear_logp_forward,
+            "backward": reference.linear_logp_backward,
+        },
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="linear_logp",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="linear_logp/stock-torch",
+        fn=stock.linear_logp,
+        extras={"forward": stock.linear_logp_forward, "backward": stock.linear_logp_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Bitwise fusion transparency and row invariance (used by ``rl-engine check``)."""
+    from rl_engine.ops.det_gemm import det_gemm
+    from rl_engine.ops.logp import logp
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab = VOCAB_TILE + 77
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(vocab, 32, generator=g).to(device=device, dtype=dtype)
+        h = torch.randn(20, 32, generator=g).to(device=device, dtype=dtype)
+        tok = torch.randint(0, vocab, (20,), generator=g).to(device)
+        assert_bitwise(
+            linear_logp(h, w, tok, 0.7),
+            logp(det_gemm(h, w.t()), tok, 0.7),
+            f"linear_logp == logp(det_gemm) {dtype}",
+        )
+
+        def fwd(rows, w=w):
+            t = (rows[:, 0].float().abs() * 1000).long() % vocab
+            return linear_logp(rows, w, t, 0.7)
+
+        check_row_invariance(fwd, h, counts=(1, 17), what=f"linear_logp {dtype}")

@@ -1,0 +1,150 @@
+"""``logp``: batch-invariant token log-probabilities ``log_softmax(logits / T)[token]`` in fp32.
+
+Custom ops: ``rl_engine::logp(logits, tokens, temperature, provider) -> (logp, lse)`` (``lse``
+is saved for the backward and is not differentiable) and
+``rl_engine::logp_backward(logits, tokens, temperature, lse, grad, provider) -> dlogits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.logp import reference, stock
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["logp"]
+
+
+@torch.library.custom_op("rl_engine::logp", mutates_args=())
+def _logp_op(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, provider: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KernelRegistry.provider("logp", provider).extras["forward"](logits, tokens, temperature)
+
+
+@_logp_op.register_fake
+def _(logits, tokens, temperature, provider):
+    reference._check(logits, tokens, temperature)
+    t = logits.shape[0]
+    return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::logp_backward", mutates_args=())
+def _logp_backward_op(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    provider: str,
+) -> torch.Tensor:
+    fn = KernelRegistry.provider("logp", provider).extras["backward"]
+    return fn(logits, tokens, temperature, lse, grad)
+
+
+@_logp_backward_op.register_fake
+def _(logits, tokens, temperature, lse, grad, provider):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, tokens, temperature, provider = inputs
+    _, lse = output
+    ctx.save_for_backward(logits, tokens, lse)
+    ctx.temperature = temperature
+    ctx.provider = provider
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad, _grad_lse):
+    logits, tokens, lse = ctx.saved_tensors
+    dlogits = None
+    if ctx.needs_input_grad[0]:
+        dlogits = _logp_backward_op(logits, tokens, ctx.temperature, lse, grad, ctx.provider)
+    return dlogits, None, None, None
+
+
+_logp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *, provider: str
+) -> torch.Tensor:
+    reference._check(logits, tokens, temperature)
+    return _logp_op(logits, tokens, float(temperature), provider)[0]
+
+
+def logp(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant ``log_softmax(logits / temperature)[token]`` (fp32 [T]).
+
+    Args:
+        logits: [T, V] float32 / bfloat16 / float16.
+        tokens: [T] int64 / int32 ids in ``[0, V)`` (checked on the CPU).
+        temperature: Python float > 0.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        fp32 [T]; differentiable wrt ``logits``.
+
+    See :func:`rl_engine.ops.logp.reference.logp` for the contract.
+    """
+    reference._check(logits, tokens, temperature)
+    provider = resolve_provider("logp", logits.device.type, backend)
+    return _entry(logits, tokens, temperature, provider=provider)
+
+
+KernelRegistry.register_op("logp", entry=_entry, reference=reference.logp)
+KernelRegistry.register_provider(
+    Provider(
+        op="logp",
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics=f"logp/native-v{reference.VOCAB_TILE}",
+        fn=reference.logp,
+        extras={"forward": reference.logp_forward, "backward": reference.logp_backward},
+    )
+)
+KernelRegistry.register_provider(
+    Provider(
+        op="logp",
+        name="stock",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=False,
+        numerics="logp/stock-torch",
+        fn=stock.logp,
+        extras={"forward": stock.logp_forward, "backward": stock.logp_backward},
+    )
+)
+
+
+def self_test(device: str) -> None:
+    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
+    from rl_engine.testing.invariance import check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab = reference.VOCAB_TILE + 77  # two tiles, the second one partial
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
+
+        def fwd(rows):
+            tok = (rows[:, 0].float().abs() * 1000).long() % vocab
+            return logp(rows, tok, 0.7)
+
+        def dx(rows):
+            rows = rows.clone().requires_grad_(True)
+            tok = (rows[:, 0].detach().float().abs() * 1000).long() % vocab
+            logp(rows, tok, 0.7).backward(rows[:, 1].detach().float() + 0.5)
+            return rows.grad
+
+        check_row_invariance(fwd, x, counts=(1, 17), what=f"logp {dtype}")
+        check_row_invariance(dx, x, counts=(1, 17), what=f"logp dlogits {dtype}")
