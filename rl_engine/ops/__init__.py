@@ -7,6 +7,7 @@ pins a provider for that call (it raises when the provider cannot run). The op p
 
 from __future__ import annotations
 
+from rl_engine.ops.attention import attention, paged_attention, write_kv_cache
 from rl_engine.ops.det_gemm import det_gemm
 from rl_engine.ops.entropy import entropy
 from rl_engine.ops.grpo_loss import grpo_loss
@@ -18,13 +19,16 @@ from rl_engine.ops.rope import rope
 from rl_engine.ops.silu_and_mul import silu_and_mul
 
 __all__ = [
+    "attention",
     "det_gemm",
     "entropy",
     "grpo_loss",
     "linear_logp",
     "logp",
+    "paged_attention",
     "ratio_kl",
     "rms_norm",
     "rope",
     "silu_and_mul",
+    "write_kv_cache",
 ]

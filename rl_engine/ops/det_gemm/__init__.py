@@ -113,6 +113,11 @@ KernelRegistry.register_provider(
     )
 )
 
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.det_gemm import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
 
 def self_test(device: str) -> None:
     """Quick bitwise row / column invariance check (used by ``rl-engine check``)."""

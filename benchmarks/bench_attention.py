@@ -1,0 +1,264 @@
+"""Benchmark of ``attention`` (Triton provider) against torch SDPA (flash) and copy bandwidth.
+
+Usage: ``python benchmarks/bench_attention.py [--out DIR] [--quick]``.
+
+Writes ``DIR/attention.json`` and ``DIR/attention.png``. bf16, heads from ``shapes.py``
+(Llama-3-8B: 32 q / 8 kv heads, D=128):
+
+* prefill, causal, ``B`` sequences of 4096 tokens: forward, and forward + backward, of the
+  ``triton`` provider (public ``rl_engine.ops.attention``, packed varlen) vs
+  ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend
+  (``enable_gqa=True`` when the flash kernel takes it, else K/V heads repeated beforehand, outside
+  the timing; the JSON says which). ``ratio`` = sdpa_us / ours_us (higher is better), TFLOP/s
+  count the causal half (``2 * 2 * B * L^2 / 2 * Hq * D`` forward, 2.5x that for the backward);
+* decode, 64 sequences x 4096 context, pages of 16 (scattered blocks), one query token each:
+  ``paged_attention`` time, KV bytes read / time as a fraction of the measured device copy
+  bandwidth (``limits.json``), and SDPA (flash / memory-efficient) over a *contiguous* KV cache
+  as a reference point;
+* a bitwise check at benchmark scale: the decode output of sequence 0 equals the prefill row of
+  its last token (``decode_equals_prefill``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from shapes import ATTENTION_HEADS  # noqa: E402
+
+from rl_engine.ops import attention, paged_attention  # noqa: E402
+
+HQ, HKV, D = ATTENTION_HEADS[0]  # Llama-3-8B
+SEQ = 4096
+PREFILL_BATCHES = (1, 4)
+DECODE_SEQS, DECODE_CTX, PAGE = 64, 4096, 16
+DT = torch.bfloat16
+DEV = "cuda"  # (a smoke test may point this at the CPU with TRITON_INTERPRET=1)
+
+
+def _sdpa_flash(q4, k4, v4, gqa: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        if gqa:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q4, k4, v4, is_causal=True, enable_gqa=True
+            )
+        return torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+
+
+def _sdpa_setup(q, k, v, b):
+    """[B*L, H, D] packed -> [B, H, L, D] views; GQA through enable_gqa or repeated heads."""
+    q4, k4, v4 = (x.view(b, SEQ, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
+    try:
+        _sdpa_flash(q4, k4, v4, gqa=True)
+        return q4, k4, v4, True, "sdpa_flash_enable_gqa"
+    except RuntimeError:
+        rep = HQ // HKV
+        k4 = k4.repeat_interleave(rep, dim=1)
+        v4 = v4.repeat_interleave(rep, dim=1)
+        _sdpa_flash(q4, k4, v4, gqa=False)
+        return q4, k4, v4, False, "sdpa_flash_repeat_kv"
+
+
+def prefill(args, b: int) -> dict:
+    t = b * SEQ
+    q = torch.randn(t, HQ, D, device=DEV, dtype=DT)
+    k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
+    v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
+    g = torch.randn(t, HQ, D, device=DEV, dtype=DT)
+    cu = torch.arange(0, t + 1, SEQ, device=DEV, dtype=torch.int32)
+
+    def ours_fwd():
+        return attention(q, k, v, cu, backend="triton")
+
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+
+    def ours_fwd_bwd():
+        out = attention(qg, kg, vg, cu, backend="triton")
+        torch.autograd.grad(out, (qg, kg, vg), g)
+
+    q4, k4, v4, gqa, baseline = _sdpa_setup(q, k, v, b)
+    g4 = g.view(b, SEQ, HQ, D).transpose(1, 2)
+    q4g, k4g, v4g = (x.detach().clone().requires_grad_(True) for x in (q4, k4, v4))
+
+    def sdpa_fwd():
+        return _sdpa_flash(q4, k4, v4, gqa)
+
+    def sdpa_fwd_bwd():
+        out = _sdpa_flash(q4g, k4g, v4g, gqa)
+        torch.autograd.grad(out, (q4g, k4g, v4g), g4)
+
+    tm = {
+        "fwd": common.bench(ours_fwd, quick=args.quick),
+        "fwd_bwd": common.bench(ours_fwd_bwd, quick=args.quick),
+        "sdpa_fwd": common.bench(sdpa_fwd, quick=args.quick),
+        "sdpa_fwd_bwd": common.bench(sdpa_fwd_bwd, quick=args.quick),
+    }
+    flops_fwd = 4.0 * b * SEQ * SEQ / 2 * HQ * D
+    flops_fb = flops_fwd * 3.5  # forward + backward (2.5x the forward)
+    r = {
+        "case": "prefill",
+        "batch": b,
+        "seq": SEQ,
+        "heads": [HQ, HKV, D],
+        "dtype": "bf16",
+        "baseline": baseline,
+        **{f"{n}_us": val for n, val in tm.items()},
+        "fwd_tflop_s": flops_fwd / (tm["fwd"] * 1e-6) / 1e12,
+        "fwd_bwd_tflop_s": flops_fb / (tm["fwd_bwd"] * 1e-6) / 1e12,
+        "sdpa_fwd_tflop_s": flops_fwd / (tm["sdpa_fwd"] * 1e-6) / 1e12,
+        "sdpa_fwd_bwd_tflop_s": flops_fb / (tm["sdpa_fwd_bwd"] * 1e-6) / 1e12,
+        "fwd_ratio_vs_sdpa": tm["sdpa_fwd"] / tm["fwd"],
+        "fwd_bwd_ratio_vs_sdpa": tm["sdpa_fwd_bwd"] / tm["fwd_bwd"],
+    }
+    print(
+        f"attention prefill B={b} L={SEQ}: fwd {tm['fwd']:9.1f} us ({r['fwd_tflop_s']:.0f} TFLOP/s,"
+        f" {r['fwd_ratio_vs_sdpa']:.2f}x sdpa)  fwd+bwd {tm['fwd_bwd']:9.1f} us "
+        f"({r['fwd_bwd_ratio_vs_sdpa']:.2f}x sdpa) [{baseline}]",
+        flush=True,
+    )
+    return r
+
+
+def decode(args, copy_tb_s: float) -> dict:
+    n, ctx, bs = DECODE_SEQS, DECODE_CTX, PAGE
+    pages = ctx // bs
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(n * pages, generator=gen).to(DEV)
+    block_table = perm.view(n, pages).to(torch.int32)
+    k_cache = torch.randn(n * pages, bs, HKV, D, device=DEV, dtype=DT)
+    v_cache = torch.randn(n * pages, bs, HKV, D, device=DEV, dtype=DT)
+    q = torch.randn(n, HQ, D, device=DEV, dtype=DT)
+    seq_lens = torch.full((n,), ctx, device=DEV, dtype=torch.int32)
+    qsl = torch.arange(n + 1, device=DEV, dtype=torch.int32)
+
+    def ours():
+        return paged_attention(q, k_cache, v_cache, block_table, seq_lens, qsl, backend="triton")
+
+    # the same KV, contiguous [n, Hkv, ctx, D], for SDPA
+    kc = k_cache[block_table.long()].reshape(n, ctx, HKV, D).transpose(1, 2).contiguous()
+    vc = v_cache[block_table.long()].reshape(n, ctx, HKV, D).transpose(1, 2).contiguous()
+    q4 = q.view(n, HQ, 1, D)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(kk=kc, vv=vc, gqa=True):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kk, vv, enable_gqa=gqa)
+
+    baseline = "sdpa_contiguous_enable_gqa"
+    try:
+        sdpa()
+        t_sdpa = common.bench(sdpa, quick=args.quick)
+    except RuntimeError:
+        baseline = "sdpa_contiguous_repeat_kv"
+        kr, vr = (x.repeat_interleave(HQ // HKV, dim=1) for x in (kc, vc))
+        t_sdpa = common.bench(lambda: sdpa(kr, vr, False), quick=args.quick)
+        del kr, vr
+    t = common.bench(ours, quick=args.quick)
+    kv_bytes = 2 * n * ctx * HKV * D * k_cache.element_size()
+    r = {
+        "case": "decode",
+        "seqs": n,
+        "context": ctx,
+        "page": bs,
+        "heads": [HQ, HKV, D],
+        "dtype": "bf16",
+        "us": t,
+        "baseline": baseline,
+        "sdpa_contiguous_us": t_sdpa,
+        "kv_bytes": kv_bytes,
+        "kv_tb_s": kv_bytes / (t * 1e-6) / 1e12,
+        "kv_bw_frac": kv_bytes / (t * 1e-6) / 1e12 / copy_tb_s,
+        "ratio_vs_sdpa_contiguous": t_sdpa / t,
+    }
+    # bitwise: decode of sequence 0 == its prefill's last row
+    pos = torch.arange(ctx, device=DEV)
+    k0 = k_cache[block_table[0].long()[pos // bs], pos % bs]
+    v0 = v_cache[block_table[0].long()[pos // bs], pos % bs]
+    q0 = torch.randn(ctx, HQ, D, device=DEV, dtype=DT)
+    q0[-1] = q[0]
+    cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
+    full = attention(q0, k0, v0, cu, backend="triton")
+    r["decode_equals_prefill"] = bool(torch.equal(ours()[0], full[-1]))
+    print(
+        f"attention decode {n} x {ctx} page {bs}: {t:9.1f} us, KV {r['kv_tb_s']:.2f} TB/s "
+        f"({r['kv_bw_frac']:.2f} of copy), sdpa(contiguous) {t_sdpa:9.1f} us; "
+        f"decode == prefill: {r['decode_equals_prefill']}",
+        flush=True,
+    )
+    return r
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    if not common.have_matplotlib():
+        return
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    pre = [r for r in rows if r["case"] == "prefill"]
+    labels = [f"B={r['batch']}" for r in pre]
+    x = range(len(pre))
+    axes[0].bar([i - 0.2 for i in x], [r["fwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd")
+    axes[0].bar(
+        [i + 0.2 for i in x], [r["fwd_bwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd+bwd"
+    )
+    axes[0].set_xticks(list(x), labels)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("SDPA flash time / rl_engine time")
+    axes[0].set_title(f"prefill L={SEQ}, {HQ}/{HKV} heads, D={D}, bf16")
+    axes[0].legend()
+    dec = [r for r in rows if r["case"] == "decode"]
+    axes[1].bar(["rl_engine paged"], [r["kv_bw_frac"] for r in dec])
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_ylabel("KV bytes / time / copy bandwidth")
+    axes[1].set_title(f"decode {DECODE_SEQS} x {DECODE_CTX}, page {PAGE}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA device; nothing to measure")
+        return
+    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    rows = [prefill(args, b) for b in (PREFILL_BATCHES[:1] if args.quick else PREFILL_BATCHES)]
+    rows.append(decode(args, limits["copy_tb_s"]))
+    pre = rows[0]
+    dec = rows[-1]
+    summary = {
+        "prefill_fwd_ratio_vs_sdpa": pre["fwd_ratio_vs_sdpa"],
+        "prefill_fwd_bwd_ratio_vs_sdpa": pre["fwd_bwd_ratio_vs_sdpa"],
+        "prefill_fwd_tflop_s": pre["fwd_tflop_s"],
+        "decode_kv_bw_frac": dec["kv_bw_frac"],
+        "decode_ratio_vs_sdpa_contiguous": dec["ratio_vs_sdpa_contiguous"],
+        "decode_equals_prefill": dec["decode_equals_prefill"],
+    }
+    common.write_json(
+        args.out,
+        "attention",
+        {
+            "provider": "triton",
+            "baseline": "torch SDPA flash (prefill); SDPA flash/efficient over contiguous KV "
+            "(decode)",
+            "ratio_definition": "baseline_us / ours_us (higher is better)",
+            "bw_frac_definition": "KV bytes read / time / measured device copy bandwidth",
+            "limits": limits,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    plot(rows, args.out / "attention.png")
+    print("attention summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()

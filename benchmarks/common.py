@@ -1,0 +1,153 @@
+"""Helpers shared by the benchmark scripts: timing, device info, physical limits, JSON + PNG.
+
+Every script writes ``<out>/<op>.json`` (device, versions, date, every figure, ratios against the
+baseline measured in the same run) and, when matplotlib is importable, ``<out>/<op>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import platform
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LIMITS_FILE = "limits.json"
+
+
+def gpu_slug() -> str:
+    """Short folder name of the GPU (``h100``, ``h200``, ...), ``cpu`` without one."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "h100", "a100", "b200", "l40s", "mi300"):
+        if key in name:
+            return key
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def default_out_dir() -> Path:
+    return Path(__file__).resolve().parent / "results" / gpu_slug()
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default results/<gpu>)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    if extra is not None:
+        extra(p)
+    args = p.parse_args()
+    args.out = Path(args.out) if args.out is not None else default_out_dir()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def device_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host_python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # pragma: no cover
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            device=torch.cuda.get_device_name(),
+            gpu=gpu_slug(),
+            sm_count=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+        )
+    else:
+        info.update(device="cpu", gpu="cpu")
+    return info
+
+
+def bench(fn: Callable[[], Any], *, quick: bool = False) -> float:
+    """Median time of ``fn`` in microseconds (``triton.testing.do_bench``: warm-up, L2 flush
+    before each call, CUDA events)."""
+    from triton.testing import do_bench
+
+    warmup, rep = (10, 30) if quick else (25, 100)
+    return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def geomean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def measure_limits(quick: bool = False) -> dict[str, float]:
+    """Measured ceilings: device copy bandwidth (bytes read + written) and peak bf16 matmul."""
+    n = 1 << 28  # 512 MiB of bf16 per side
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t_copy = bench(lambda: dst.copy_(src), quick=quick)
+    copy_tbs = 2 * src.numel() * src.element_size() / (t_copy * 1e-6) / 1e12
+    s = 8192
+    a = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    t_mm = bench(lambda: torch.mm(a, b), quick=quick)
+    mm_tflops = 2 * s**3 / (t_mm * 1e-6) / 1e12
+    return {
+        "copy_tb_s": copy_tbs,
+        "copy_us_512mib": t_copy,
+        "bf16_mm_tflop_s": mm_tflops,
+        "bf16_mm_8192_us": t_mm,
+    }
+
+
+def load_or_measure_limits(out_dir: Path, quick: bool = False) -> dict[str, float]:
+    path = Path(out_dir) / LIMITS_FILE
+    if path.exists():
+        try:
+            return json.loads(path.read_text())["limits"]
+        except Exception:
+            pass
+    limits = measure_limits(quick=quick)
+    write_json(out_dir, "limits", {"limits": limits})
+    return limits
+
+
+def write_json(out_dir: Path, op: str, payload: dict[str, Any]) -> Path:
+    payload = {"op": op, **device_info(), **payload}
+    path = Path(out_dir) / f"{op}.json"
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        return True
+    except Exception as exc:
+        print(f"matplotlib is not importable ({exc}); skipping the PNG")
+        return False
+
+
+def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,43 @@
+"""The one shared list of benchmark shapes (real model dimensions), used by every bench script.
+
+Token counts ``M_VALUES`` span decode (1..64 rows) to prefill / training (4096+ rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class GemmShape(NamedTuple):
+    """A linear layer ``[M, K] x [K, N]`` (weight stored as ``nn.Linear`` [N, K])."""
+
+    name: str
+    k: int
+    n: int
+
+
+# Rows (tokens) per launch.
+M_VALUES: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# The det_gemm acceptance grid: Llama-3-8B o_proj / up(gate) / down and a Qwen3-1.7B LM head.
+GEMM_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape("llama3-8b.o_proj", 4096, 4096),
+    GemmShape("llama3-8b.up_proj", 4096, 14336),
+    GemmShape("llama3-8b.down_proj", 14336, 4096),
+    GemmShape("qwen3-1.7b.lm_head", 2048, 151936),
+)
+
+# Further real projections (not in the acceptance grid; for wider sweeps).
+EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape("llama3-8b.qkv_proj", 4096, 6144),
+    GemmShape("qwen3-8b.gate_up_proj", 4096, 24576),
+    GemmShape("qwen3-32b.q_proj", 5120, 8192),
+    GemmShape("llama3-8b.lm_head", 4096, 128256),
+)
+
+# Hidden sizes (norms, activations, attention heads x dim) and vocabularies of the same models.
+HIDDEN_SIZES: tuple[int, ...] = (2048, 4096, 5120)
+INTERMEDIATE_SIZES: tuple[int, ...] = (12288, 14336, 25600)
+VOCAB_SIZES: tuple[int, ...] = (128256, 151936)
+# Attention: (num_q_heads, num_kv_heads, head_dim) of Llama-3-8B / Qwen3-8B / Qwen3-32B.
+ATTENTION_HEADS: tuple[tuple[int, int, int], ...] = ((32, 8, 128), (32, 8, 128), (64, 8, 128))

@@ -1,0 +1,313 @@
+"""``attention``: batch-invariant varlen prefill, paged prefill/decode and KV-cache writes.
+
+One numerics contract, three entry points, all resolved through the registry's ``attention``
+op type (so a process uses one provider family for all three):
+
+* :func:`attention` - varlen (packed) causal prefill, with a deterministic backward;
+* :func:`paged_attention` - any number of query tokens per sequence against a paged KV cache;
+* :func:`write_kv_cache` - exact copy of new keys/values into the cache.
+
+Custom ops: ``rl_engine::attention(q, k, v, cu_seqlens, scale, causal, provider) -> (out, lse)``,
+``rl_engine::attention_bwd(dout, q, k, v, out, lse, cu_seqlens, scale, causal, provider)``,
+``rl_engine::paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+provider)`` and ``rl_engine::write_kv_cache(k, v, k_cache, v_cache, slot_mapping, provider)``
+(mutates the caches). See :mod:`rl_engine.ops.attention.reference` for the math.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.attention import reference
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["attention", "paged_attention", "write_kv_cache"]
+
+_OP = "attention"
+
+
+# ----------------------------------------------------------------------------- attention
+@torch.library.custom_op("rl_engine::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KernelRegistry.provider(_OP, provider).fn(q, k, v, cu_seqlens, scale, causal)
+
+
+@_attention_op.register_fake
+def _(q, k, v, cu_seqlens, scale, causal, provider):
+    reference._check_attention(q, k, v, cu_seqlens, scale, causal)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bwd = KernelRegistry.provider(_OP, provider).extras["attention_bwd"]
+    return bwd(dout, q, k, v, out, lse, cu_seqlens, scale, causal)
+
+
+@_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, scale, causal, provider):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale, causal, provider = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.scale, ctx.causal, ctx.provider = scale, causal, provider
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(
+        dout.to(q.dtype), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.causal, ctx.provider
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    *,
+    provider: str,
+) -> torch.Tensor:
+    reference._check_attention(q, k, v, cu_seqlens, scale, causal)
+    scale = reference.default_scale(q.shape[2], scale)
+    return _attention_op(q, k, v, cu_seqlens, scale, causal, provider)[0]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant varlen prefill attention (differentiable).
+
+    Args:
+        q: [T, Hq, D] query tokens of B packed sequences (fp32 / bf16 / fp16).
+        k: [T, Hkv, D] keys (same dtype); Hq % Hkv == 0 (GQA / MQA).
+        v: [T, Hkv, D] values.
+        cu_seqlens: [B + 1] int32 offsets of the sequences in the packed tokens.
+        scale: softmax scale, ``None`` = ``1 / sqrt(D)``.
+        causal: causal mask inside each sequence (default).
+        backend: provider name to pin for this call.
+
+    Returns:
+        [T, Hq, D] in ``q.dtype``; bitwise equal, row by row, to :func:`paged_attention` of the
+        same tokens in any chunking / batch (same provider). See
+        :func:`rl_engine.ops.attention.reference.attention` for the contract.
+    """
+    reference._check_attention(q, k, v, cu_seqlens, scale, causal)
+    provider = resolve_provider(_OP, q.device.type, backend)
+    return _entry(q, k, v, cu_seqlens, scale, causal, provider=provider)
+
+
+# ----------------------------------------------------------------------------- paged
+@torch.library.custom_op("rl_engine::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    provider: str,
+) -> torch.Tensor:
+    fn = KernelRegistry.provider(_OP, provider).extras["paged_attention"]
+    return fn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, provider):
+    reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    return q.new_empty(q.shape)
+
+
+def _paged_backward(ctx, grad):
+    raise NotImplementedError(
+        "paged_attention has no backward (it serves inference); train through attention()"
+    )
+
+
+def _paged_setup_context(ctx, inputs, output):
+    pass
+
+
+_paged_attention_op.register_autograd(_paged_backward, setup_context=_paged_setup_context)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant causal attention against a paged KV cache (prefill chunks and decode).
+
+    Args:
+        q: [T, Hq, D] query tokens of B sequences, packed.
+        k_cache: [num_blocks, block_size, Hkv, D] (same dtype as ``q``).
+        v_cache: [num_blocks, block_size, Hkv, D].
+        block_table: [B, max_blocks] int32 block ids of each sequence.
+        seq_lens: [B] int32 context lengths including this step's query tokens.
+        query_start_loc: [B + 1] int32 offsets of the sequences' query tokens in ``q``; tokens
+            after ``query_start_loc[B]`` are padding (CUDA-graph batches): output zero.
+        scale: softmax scale, ``None`` = ``1 / sqrt(D)``.
+        backend: provider name to pin for this call.
+
+    Returns:
+        [T, Hq, D] in ``q.dtype``; each token's row is bitwise equal to its row in a full
+        :func:`attention` prefill of its sequence (same provider), whatever the chunking, the
+        page size and the other sequences of the batch.
+    """
+    reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    provider = resolve_provider(_OP, q.device.type, backend)
+    scale = reference.default_scale(q.shape[2], scale)
+    return _paged_attention_op(
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, provider
+    )
+
+
+# ----------------------------------------------------------------------------- cache write
+@torch.library.custom_op("rl_engine::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _write_kv_cache_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    provider: str,
+) -> None:
+    KernelRegistry.provider(_OP, provider).extras["write_kv_cache"](
+        k, v, k_cache, v_cache, slot_mapping
+    )
+
+
+@_write_kv_cache_op.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, provider):
+    reference._check_write(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Write ``k`` / ``v`` [T, Hkv, D] into the paged caches at flat slots, in place.
+
+    Args:
+        k: [T, Hkv, D] keys. v: [T, Hkv, D] values (same dtype as the caches).
+        k_cache: [num_blocks, block_size, Hkv, D], written in place. v_cache: likewise.
+        slot_mapping: [T] int32 / int64, ``block * block_size + offset``; ``-1`` skips a token.
+        backend: provider name to pin for this call.
+    """
+    reference._check_write(k, v, k_cache, v_cache, slot_mapping)
+    provider = resolve_provider(_OP, k.device.type, backend)
+    _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, provider)
+
+
+# ----------------------------------------------------------------------------- registration
+KernelRegistry.register_op(_OP, entry=_entry, reference=reference.attention)
+KernelRegistry.register_provider(
+    Provider(
+        op=_OP,
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics=f"attention/native-t{reference.KV_TILE}",
+        fn=reference.attention,
+        extras={
+            "attention_bwd": reference.attention_bwd,
+            "paged_attention": reference.paged_attention,
+            "write_kv_cache": reference.write_kv_cache,
+        },
+    )
+)
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.attention import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
+
+def self_test(device: str) -> None:
+    """Bitwise prefill == chunked paged prefill == decode, alone and batched (``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    op = KernelRegistry.get_op(_OP, device=device)
+    dtypes = [torch.float32]
+    if device != "cpu" or op.provider.name == "native":
+        dtypes.append(torch.bfloat16)
+    for dtype in dtypes:
+        lens, hq, hkv, d, bs = [70, 5], 4, 2, 64, 16
+        t = sum(lens)
+        q, k, v = (
+            torch.randn(t, h, d, generator=g).to(device=device, dtype=dtype) for h in (hq, hkv, hkv)
+        )
+        cu = torch.tensor([0, lens[0], t], dtype=torch.int32, device=device)
+        full = attention(q, k, v, cu, backend=op.provider.name)
+        alone = attention(
+            q[: lens[0]], k[: lens[0]], v[: lens[0]], cu[:2], backend=op.provider.name
+        )
+        assert_bitwise(alone, full[: lens[0]], f"attention {dtype}: sequence alone vs batched")
+        # the first sequence through a paged cache: chunks of 33, then decode steps
+        n = lens[0]
+        kc = torch.zeros(8, bs, hkv, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        blocks = torch.tensor([[5, 2, 7, 0, 1]], dtype=torch.int32, device=device)
+        slots = (blocks[0].long()[torch.arange(n, device=device) // bs] * bs) + torch.arange(
+            n, device=device
+        ) % bs
+        write_kv_cache(k[:n], v[:n], kc, vc, slots, backend=op.provider.name)
+        outs = []
+        for c0, c1 in [(0, 33), (33, 66)] + [(i, i + 1) for i in range(66, n)]:
+            qsl = torch.tensor([0, c1 - c0], dtype=torch.int32, device=device)
+            sl = torch.tensor([c1], dtype=torch.int32, device=device)
+            outs.append(
+                paged_attention(q[c0:c1], kc, vc, blocks, sl, qsl, backend=op.provider.name)
+            )
+        assert_bitwise(torch.cat(outs), full[:n], f"attention {dtype}: paged chunks vs prefill")

@@ -1,0 +1,847 @@
+"""``triton`` provider of ``attention``: one forward kernel for varlen prefill and paged attention.
+
+Numerics (family ``attention/triton``): a program owns ``BLOCK_M`` *rows* of one sequence and one
+KV head, a row being a (query token, query head of that KV head's group) pair, so GQA heads share
+the key/value tiles. It walks the KV tiles of ``BLOCK_N`` positions aligned to absolute position
+0, in order, up to the tile holding its last row's position, with the same online softmax as the
+reference (fp32 statistics, ``alpha = 1`` when the max does not move, exact zeros for masked
+positions, ``P`` rounded to the input dtype before ``P @ V``). Prefill (``PAGED=False``: keys are
+packed rows) and paged attention (``PAGED=True``: keys are gathered through the block table) are
+the *same* kernel with the same tile shape, warps and order; only the addresses differ. A tile that
+is fully masked for a row leaves that row bitwise unchanged, and rows never mix inside a tile,
+so a token's output is the same in a full prefill, a chunked prefill, a decode step, with any
+page size and in any batch. The tile configuration depends on the head dim only (never on the
+token count); there is no split-KV.
+
+Backward (deterministic, no atomics): ``delta = rowsum(dO * O)`` kernel; a dK/dV kernel where a
+program owns one KV tile and loops over the query row blocks in order; a dQ kernel where a
+program owns a row block and loops over the KV tiles in order (dQ is row invariant).
+
+Not promised: identity with the ``native`` family, across GPU models, or across Triton versions.
+On the CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``); test fp32 / fp16
+there (the interpreter's bf16 ``tl.dot`` is wrong).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_engine import config as _rl_config
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.attention import reference
+from rl_engine.registry import Provider
+
+try:  # Triton is optional: without it the provider reports why it cannot run.
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = ["PROVIDER", "attention", "attention_bwd", "paged_attention", "write_kv_cache"]
+
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch configuration; a function of the head dim only (part of the numerics)."""
+
+    block_m: int  # rows (query token x group head) per program
+    block_n: int  # KV tile (positions), aligned to absolute position 0
+    num_warps: int
+    num_stages: int
+
+
+# Checked-in table, keyed by the padded head dim. Nothing here depends on the token count.
+_CONFIGS = {
+    16: AttentionConfig(64, 64, 4, 2),
+    32: AttentionConfig(64, 64, 4, 2),
+    64: AttentionConfig(64, 64, 4, 2),
+    128: AttentionConfig(64, 64, 4, 2),
+    256: AttentionConfig(64, 32, 8, 1),
+}
+_BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
+
+
+def _block_d(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def get_config(head_dim: int) -> AttentionConfig:
+    """The configuration for ``head_dim`` (raises for an unsupported head dim)."""
+    if head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"attention[triton]: head_dim {head_dim} is not supported (a multiple of 16 in "
+            f"16..{MAX_HEAD_DIM}; e.g. 64, 80, 96, 128, 256); use backend='native'"
+        )
+    return _CONFIGS[_block_d(head_dim)]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _find_seq(CU, pid, num_seqs, n_search, ROWS_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
+        # Sequence b owns programs [start(b), start(b + 1)) with
+        # start(b) = cu[b] * ROWS_PER_TOKEN // BLOCK + b (strictly increasing, and
+        # start(b + 1) - start(b) >= cdiv(rows of b, BLOCK)): binary search for the last
+        # start <= pid. The grid size depends on the shapes only (CUDA-graph friendly).
+        lo = pid * 0
+        hi = lo + num_seqs
+        for _ in range(n_search):
+            mid = (lo + hi) // 2
+            start = tl.load(CU + mid) * ROWS_PER_TOKEN // BLOCK + mid
+            go = start <= pid
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        return lo
+
+    @triton.jit
+    def _attention_fwd_kernel(
+        Q,
+        K,
+        V,
+        OUT,
+        LSE,
+        CU_Q,
+        SEQ_LENS,
+        BLOCK_TABLE,
+        num_seqs,
+        n_search,
+        page_size,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_bt,
+        stride_lt,
+        scale,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGED: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = _find_seq(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        row0 = (pid - (q_start * G // BLOCK_M + b)) * BLOCK_M
+        if row0 >= q_len * G:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len * G
+        tok = rows // G
+        head = kvh * G + rows % G
+        if PAGED:
+            kv_len = tl.load(SEQ_LENS + b)
+        else:
+            kv_len = q_len
+        q_pos = kv_len - q_len + tok
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q_rows = (q_start + tok).to(tl.int64)
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if CAUSAL:
+            hi = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), axis=0) + 1, kv_len)
+        else:
+            hi = kv_len
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for j in range(0, tl.cdiv(hi, BLOCK_N)):
+            kv_pos = j * BLOCK_N + offs_n
+            kv_ok = kv_pos < kv_len
+            if PAGED:
+                page = tl.load(
+                    BLOCK_TABLE + b.to(tl.int64) * stride_bt + kv_pos // page_size,
+                    mask=kv_ok,
+                    other=0,
+                ).to(tl.int64)
+                slot = (kv_pos % page_size).to(tl.int64)
+                k_off = page * stride_kb + slot * stride_kt
+                v_off = page * stride_vb + slot * stride_vt
+            else:
+                kv_rows = (q_start + kv_pos).to(tl.int64)
+                k_off = kv_rows * stride_kt
+                v_off = kv_rows * stride_vt
+            kk = tl.load(
+                K + k_off[:, None] + kvh * stride_kh + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
+            mask = row_ok[:, None] & kv_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[None, :] <= q_pos[:, None])
+            s = tl.where(mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_use))
+            p = tl.where(mask, tl.exp(s - m_use[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vv = tl.load(
+                V + v_off[:, None] + kvh * stride_vh + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        if STORE_LSE:
+            tl.store(LSE + q_rows * stride_lt + head, m_i + tl.log(l_safe), mask=row_ok)
+
+    @triton.jit
+    def _attention_bwd_delta_kernel(
+        OUT,
+        DO,
+        DELTA,
+        n_rows,
+        n_heads,
+        stride_ot,
+        stride_oh,
+        stride_dot,
+        stride_doh,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < n_rows
+        t = (rows // n_heads).to(tl.int64)
+        h = rows % n_heads
+        offs_d = tl.arange(0, BLOCK_D)
+        msk = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        o = tl.load(
+            OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+            mask=msk,
+            other=0.0,
+        )
+        do = tl.load(
+            DO + t[:, None] * stride_dot + h[:, None] * stride_doh + offs_d[None, :],
+            mask=msk,
+            other=0.0,
+        )
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + rows, delta, mask=ok)
+
+    @triton.jit
+    def _attention_bwd_dkdv_kernel(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DK,
+        DV,
+        CU,
+        num_seqs,
+        n_search,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_dot,
+        stride_doh,
+        stride_dkt,
+        stride_dkh,
+        stride_dvt,
+        stride_dvh,
+        stride_lt,
+        scale,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = _find_seq(CU, pid, num_seqs, n_search, 1, BLOCK_N)
+        start = tl.load(CU + b)
+        seq_len = tl.load(CU + b + 1) - start
+        n0 = (pid - (start // BLOCK_N + b)) * BLOCK_N
+        if n0 >= seq_len:
+            return
+        kv_pos = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < seq_len
+        kv_rows = (start + kv_pos).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        kv_msk = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_msk,
+            other=0.0,
+        )
+        v = tl.load(
+            V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_msk,
+            other=0.0,
+        )
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        n_rows = seq_len * G
+        if CAUSAL:
+            i_first = (n0 * G) // BLOCK_M
+        else:
+            i_first = 0
+        for i in range(i_first, tl.cdiv(n_rows, BLOCK_M)):
+            rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_rows
+            tok = rows // G
+            head = kvh * G + rows % G
+            q_rows = (start + tok).to(tl.int64)
+            r_msk = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(
+                Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=r_msk,
+                other=0.0,
+            )
+            do = tl.load(
+                DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
+                mask=r_msk,
+                other=0.0,
+            )
+            lse = tl.load(LSE + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale  # [BLOCK_N, BLOCK_M]
+            mask = kv_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[:, None] <= tok[None, :])
+            pt = tl.where(mask, tl.exp(st - lse[None, :]), 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision="ieee")
+            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+            dst = tl.where(mask, pt * (dpt - delta[None, :]), 0.0)
+            dk += tl.dot(dst.to(q.dtype), q, input_precision="ieee")
+        dk = dk * scale
+        tl.store(
+            DK + kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
+            dk.to(DK.dtype.element_ty),
+            mask=kv_msk,
+        )
+        tl.store(
+            DV + kv_rows[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=kv_msk,
+        )
+
+    @triton.jit
+    def _attention_bwd_dq_kernel(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        CU,
+        num_seqs,
+        n_search,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_dot,
+        stride_doh,
+        stride_dqt,
+        stride_dqh,
+        stride_lt,
+        scale,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = _find_seq(CU, pid, num_seqs, n_search, G, BLOCK_M)
+        start = tl.load(CU + b)
+        seq_len = tl.load(CU + b + 1) - start
+        row0 = (pid - (start * G // BLOCK_M + b)) * BLOCK_M
+        if row0 >= seq_len * G:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < seq_len * G
+        tok = rows // G
+        head = kvh * G + rows % G
+        q_rows = (start + tok).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        r_msk = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=r_msk,
+            other=0.0,
+        )
+        do = tl.load(
+            DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
+            mask=r_msk,
+            other=0.0,
+        )
+        lse = tl.load(LSE + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+        if CAUSAL:
+            hi = tl.minimum(tl.max(tl.where(row_ok, tok, 0), axis=0) + 1, seq_len)
+        else:
+            hi = seq_len
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for j in range(0, tl.cdiv(hi, BLOCK_N)):
+            kv_pos = j * BLOCK_N + offs_n
+            kv_ok = kv_pos < seq_len
+            kv_rows = (start + kv_pos).to(tl.int64)
+            t_msk = kv_ok[:, None] & d_ok[None, :]
+            kk = tl.load(
+                K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=t_msk,
+                other=0.0,
+            )
+            vv = tl.load(
+                V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=t_msk,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
+            mask = row_ok[:, None] & kv_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[None, :] <= tok[:, None])
+            p = tl.where(mask, tl.exp(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(vv), input_precision="ieee")
+            ds = tl.where(mask, p * (dp - delta[:, None]), 0.0)
+            dq += tl.dot(ds.to(kk.dtype), kk, input_precision="ieee")
+        dq = dq * scale
+        tl.store(
+            DQ + q_rows[:, None] * stride_dqt + head[:, None] * stride_dqh + offs_d[None, :],
+            dq.to(DQ.dtype.element_ty),
+            mask=r_msk,
+        )
+
+    @triton.jit
+    def _write_kv_cache_kernel(
+        K,
+        V,
+        KC,
+        VC,
+        SLOTS,
+        page_size,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kct,
+        stride_kch,
+        stride_vcb,
+        stride_vct,
+        stride_vch,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        N_HEADS: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot < 0:
+            return
+        blk = slot // page_size
+        off = slot % page_size
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        msk = (offs_h < N_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=msk)
+        v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=msk)
+        kc = KC + blk * stride_kcb + off * stride_kct + offs_h[:, None] * stride_kch
+        vc = VC + blk * stride_vcb + off * stride_vct + offs_h[:, None] * stride_vch
+        tl.store(kc + offs_d[None, :], k, mask=msk)
+        tl.store(vc + offs_d[None, :], v, mask=msk)
+
+
+_interpreted: dict[str, Any] = {}
+
+
+def _kernel(name: str, device: torch.device) -> Any:
+    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
+    kern = globals()[name]
+    if device.type != "cpu":
+        return kern
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kern, InterpretedFunction):
+        return kern
+    if name not in _interpreted:
+        _interpreted[name] = InterpretedFunction(kern.fn)
+    return _interpreted[name]
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"attention[triton]: triton is not importable ({_IMPORT_ERROR})")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu":
+        if not _rl_config.settings().triton_interpret:
+            raise RuntimeError(
+                "attention[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
+                "to run them in the interpreter on the CPU"
+            )
+        return
+    raise RuntimeError(f"attention[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+
+
+def _check_interpreter_dtype(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and t.dtype == torch.bfloat16:
+        raise TypeError(
+            "attention[triton]: bfloat16 is not supported in the Triton interpreter (its bf16 "
+            "tl.dot is wrong); use float32 / float16 there, or backend='native'"
+        )
+
+
+def _guard(t: torch.Tensor) -> Any:
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit stride on the last dim (an exact copy only when needed)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _n_search(num_seqs: int) -> int:
+    return max(1, int(num_seqs).bit_length())
+
+
+def _launch_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    cu_q: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> None:
+    t, hq, d = q.shape
+    paged = k.dim() == 4
+    hkv = k.shape[-2]
+    g = hq // hkv
+    cfg = get_config(d)
+    num_seqs = cu_q.shape[0] - 1
+    if t == 0 or num_seqs == 0:
+        return
+    grid = (t * g // cfg.block_m + num_seqs, hkv)
+    if paged:
+        kb, kt_, kh = k.stride(0), k.stride(1), k.stride(2)
+        vb, vt_, vh = v.stride(0), v.stride(1), v.stride(2)
+        page_size = k.shape[1]
+        bt, bt_stride = block_table, block_table.stride(0)
+        lens = seq_lens
+    else:
+        kb, kt_, kh = 0, k.stride(0), k.stride(1)
+        vb, vt_, vh = 0, v.stride(0), v.stride(1)
+        page_size, bt, bt_stride, lens = 1, cu_q, 0, cu_q
+    with _guard(q):
+        _kernel("_attention_fwd_kernel", q.device)[grid](
+            q,
+            k,
+            v,
+            out,
+            lse if lse is not None else out,
+            cu_q,
+            lens,
+            bt,
+            num_seqs,
+            _n_search(num_seqs),
+            page_size,
+            q.stride(0),
+            q.stride(1),
+            kb,
+            kt_,
+            kh,
+            vb,
+            vt_,
+            vh,
+            out.stride(0),
+            out.stride(1),
+            bt_stride,
+            hq,
+            scale,
+            G=g,
+            HEAD_DIM=d,
+            BLOCK_D=_block_d(d),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            PAGED=paged,
+            CAUSAL=causal,
+            STORE_LSE=lse is not None,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen prefill (Triton). Same contract as :func:`reference.attention`; returns (out, lse).
+
+    ``cu_seqlens`` is trusted (not read back on the host): it must start at 0, be
+    non-decreasing and end at ``T``.
+    """
+    reference._check_attention(q, k, v, cu_seqlens, scale, causal)
+    _check_device(q)
+    _check_interpreter_dtype(q)
+    get_config(q.shape[2])
+    scale = reference.default_scale(q.shape[2], scale)
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _launch_fwd(q, k, v, out, lse, cu_seqlens, None, None, scale, causal)
+    return out, lse
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Paged prefill / decode (Triton): the prefill kernel with ``PAGED=True``.
+
+    The metadata (offsets, lengths, block ids) is trusted (not read back on the host).
+    """
+    reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    _check_device(q)
+    _check_interpreter_dtype(q)
+    get_config(q.shape[2])
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
+    scale = reference.default_scale(q.shape[2], scale)
+    q = _last_contig(q)
+    out = torch.zeros_like(q)  # padding tokens after query_start_loc[-1] stay zero
+    _launch_fwd(q, k_cache, v_cache, out, None, query_start_loc, seq_lens, block_table, scale, True)
+    return out
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Exact copy of ``k`` / ``v`` into the caches at ``slot_mapping`` (``-1`` skips)."""
+    reference._check_write(k, v, k_cache, v_cache, slot_mapping)
+    _check_device(k)
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    k, v = _last_contig(k), _last_contig(v)
+    with _guard(k):
+        _kernel("_write_kv_cache_kernel", k.device)[(t,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k_cache.shape[1],
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            HEAD_DIM=d,
+            BLOCK_H=triton.next_power_of_2(hkv),
+            BLOCK_D=triton.next_power_of_2(d),
+            N_HEADS=hkv,
+        )
+
+
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic backward (Triton): delta, dK/dV (loop over row blocks), dQ (loop over tiles)."""
+    _check_device(q)
+    _check_interpreter_dtype(q)
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    cfg = get_config(d)
+    dout, q, k, v, out = (_last_contig(x) for x in (dout, q, k, v, out))
+    lse = lse.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if t == 0 or num_seqs == 0:
+        return dq, dk, dv
+    bd = _block_d(d)
+    warps = _BWD_WARPS[bd]
+    delta = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    block_r = 32
+    with _guard(q):
+        _kernel("_attention_bwd_delta_kernel", q.device)[(triton.cdiv(t * hq, block_r),)](
+            out,
+            dout,
+            delta,
+            t * hq,
+            hq,
+            out.stride(0),
+            out.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+            HEAD_DIM=d,
+            BLOCK_D=bd,
+            BLOCK_R=block_r,
+        )
+        common = dict(
+            G=g, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal
+        )
+        strides = (
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            dout.stride(0),
+            dout.stride(1),
+        )
+        _kernel("_attention_bwd_dkdv_kernel", q.device)[(t // cfg.block_n + num_seqs, hkv)](
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            cu_seqlens,
+            num_seqs,
+            _n_search(num_seqs),
+            *strides,
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            hq,
+            scale,
+            **common,
+            num_warps=warps,
+            num_stages=1,
+        )
+        _kernel("_attention_bwd_dq_kernel", q.device)[(t * g // cfg.block_m + num_seqs, hkv)](
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq,
+            cu_seqlens,
+            num_seqs,
+            _n_search(num_seqs),
+            *strides,
+            dq.stride(0),
+            dq.stride(1),
+            hq,
+            scale,
+            **common,
+            num_warps=warps,
+            num_stages=1,
+        )
+    return dq, dk, dv
+
+
+def _available(device: str, *, triton_interpret: bool) -> str | None:
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR})"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        return None
+    if device == "cpu":
+        if triton_interpret:
+            return None
+        return (
+            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
+            "interpreter"
+        )
+    return f"device {device!r} is not supported"
+
+
+PROVIDER = Provider(
+    op="attention",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics="attention/triton",
+    fn=attention,
+    version="1",
+    available=_available,
+    extras={
+        "attention_bwd": attention_bwd,
+        "paged_attention": paged_attention,
+        "write_kv_cache": write_kv_cache,
+    },
+)

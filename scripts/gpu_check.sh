@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The one script run on a GPU test machine (H100 / H200): GPU tests of every op, then every
+# benchmark, results under $OUT and benchmarks/results/<gpu>/, a short table last.
+#
+#   OUT=/tmp/out bash scripts/gpu_check.sh            # everything
+#   SKIP_TESTS=1 bash scripts/gpu_check.sh            # benchmarks only
+#   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
+#
+# No install needed: the checkout goes on PYTHONPATH. What comes back from $OUT: pytest.log,
+# bench.log, results.tgz (benchmarks/results/<gpu>/) and summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+
+$PY - <<'PYEOF'
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
+PYEOF
+GPU=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.gpu_slug())")
+RES="$ROOT/benchmarks/results/$GPU"
+mkdir -p "$RES"
+
+status=0
+if [ "${SKIP_TESTS:-0}" = "0" ]; then
+  echo "== pytest tests/ops -m 'not slow' (CUDA) =="
+  $PY -m pytest tests/ops -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs \
+    2>&1 | tee "$OUT/pytest.log"
+  status=${PIPESTATUS[0]}
+  echo "pytest exit status: $status"
+fi
+
+echo "== benchmarks =="
+: > "$OUT/bench.log"
+$PY benchmarks/bench_limits.py --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+for b in benchmarks/bench_*.py; do
+  [ "$b" = benchmarks/bench_limits.py ] && continue
+  echo "-- $b" | tee -a "$OUT/bench.log"
+  $PY "$b" --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
+    || { echo "FAILED: $b" | tee -a "$OUT/bench.log"; status=1; }
+done
+
+tar -czf "$OUT/results.tgz" -C "$ROOT/benchmarks/results" "$GPU"
+{
+  [ -f "$OUT/pytest.log" ] && echo "pytest: $(tail -n 1 "$OUT/pytest.log")"
+  $PY benchmarks/summary.py "$RES"
+} | tee "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,343 @@
+"""Triton provider of det_gemm: config equivalence, invariance, wgrad plans, GPU-only checks.
+
+On the CPU these run in the Triton interpreter (``TRITON_INTERPRET=1``; fp32 / fp16, small
+shapes) and skip otherwise; on a CUDA device they run on the GPU (bf16 / fp16 / fp32), with the
+extra GPU checks (every M from 1 to 2048, samples up to 16384, int64 offsets, torch.compile,
+CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rl_engine import BackendUnavailableError, KernelRegistry, config
+from rl_engine.ops import det_gemm
+from rl_engine.ops.det_gemm import config as gemm_config
+from rl_engine.ops.det_gemm import triton as gemm_triton
+from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import interpreter_on
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+RUNNABLE = (ON_GPU or interpreter_on()) and gemm_triton.triton is not None
+needs_triton = pytest.mark.skipif(
+    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
+)
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+# The interpreter computes bf16 dots wrongly (PLATFORMS.md): CPU runs fp32 / fp16 only.
+DTYPES = (
+    [torch.float32, torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
+)
+
+# Row counts straddling every M bucket of the config table (16/32/64/128/256/512).
+_THRESHOLDS = sorted(
+    {m + d for m, _, _ in gemm_config._TABLE_16BIT[:-1] for d in (-1, 0, 1) if m + d > 0}
+)
+
+
+def _rand(*shape, dtype, gen=None, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _linear(m, k, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = _rand(m, k, dtype=dtype, gen=g)
+    w = _rand(n, k, dtype=dtype, gen=g, scale=k**-0.5)
+    return a, w.t()
+
+
+# --------------------------------------------------------------------- registry / availability
+def test_availability_reasons():
+    reason = gemm_triton.PROVIDER.why_not("cpu", triton_interpret=False)
+    assert reason is not None and "TRITON_INTERPRET=1" in reason and "CUDA" in reason
+    assert gemm_triton.PROVIDER.why_not("cpu", triton_interpret=True) is None
+    assert "not supported" in (gemm_triton._available("rocm", triton_interpret=True) or "")
+
+
+def test_unavailable_backend_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config.reload()
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
+        KernelRegistry.get_op("det_gemm", device="cpu", backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        gemm_triton.det_gemm(torch.randn(2, 16), torch.randn(16, 16))
+
+
+@pytest.mark.skipif(gemm_triton.triton is None, reason="triton not importable")
+def test_resolves_under_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config.reload()
+    op = KernelRegistry.get_op("det_gemm", device="cpu", backend="triton")
+    assert op.provider.name == "triton" and op.numerics == "det_gemm/triton"
+    # default resolution on the CPU stays native (the reference comes first there)
+    assert KernelRegistry.get_op("det_gemm", device="cpu").provider.name == "native"
+
+
+def test_config_table_is_sane():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cfgs = gemm_config.all_configs(dtype)
+        assert cfgs and all(isinstance(c, gemm_config.DetGemmConfig) for c in cfgs)
+        for m in (1, 16, 17, 300, 5000, 1 << 40):
+            assert gemm_config.get_config(m, 4096, 4096, dtype) in cfgs
+    with pytest.raises(ValueError, match="power of two"):
+        gemm_config.DetGemmConfig(24, 64, 64)
+    with pytest.raises(ValueError, match="divide"):
+        gemm_config.WgradConfig(64, 64, 48)
+
+
+def test_errors_direct_call():
+    with pytest.raises(ValueError, match="cannot be multiplied"):
+        gemm_triton.det_gemm(torch.randn(3, 4), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="device"):
+        gemm_triton.det_gemm(torch.randn(3, 4), torch.randn(4, 6, device="meta"))
+    with pytest.raises(TypeError, match="dtype"):
+        gemm_triton.det_gemm(torch.randn(3, 4), torch.randn(4, 6).double())
+    with pytest.raises(ValueError, match="same number of rows"):
+        gemm_triton.det_gemm_wgrad(torch.randn(3, 4), torch.randn(5, 6))
+    with pytest.raises(RuntimeError, match="not supported"):
+        gemm_triton._check_device(torch.empty(2, 2, device="meta"))
+
+
+# --------------------------------------------------------------------- numerics / invariance
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 16, 8), (37, 100, 70), (70, 760, 129), (5, 1128, 33)])
+def test_numerics_vs_float64(dtype, shape):
+    m, k, n = shape
+    a, b = _linear(m, k, n, dtype)
+    bias = _rand(n, dtype=dtype)
+    out = det_gemm(a, b, bias, backend="triton")
+    ref = a.double() @ b.double() + bias.double()
+    rtol, atol = tolerance(dtype, k=k)
+    assert_close(out, ref, rtol=rtol, atol=atol, what=f"triton det_gemm {shape} {dtype}")
+
+
+def _configs_to_check(dtype):
+    cfgs = list(gemm_config.all_configs(dtype))
+    if ON_GPU:
+        if dtype == torch.bfloat16:  # both kernels (pointer / persistent TMA) for every tile
+            cfgs += [dataclasses.replace(c, tma=not c.tma) for c in cfgs]
+    else:  # the interpreter is cheap per config: also the other table's tile shapes
+        for other in (torch.float32, torch.bfloat16):
+            cfgs += [c for c in gemm_config.all_configs(other) if c not in cfgs]
+    return cfgs
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_config_bitwise_equal(dtype):
+    """The tuned table may pick any of its configs by M: all must give the same bits."""
+    m, k, n = (130, 80, 72) if not ON_GPU else (1000, 1000, 777)
+    a, b = _linear(m, k, n, dtype, seed=m)
+    bias = _rand(n, dtype=dtype)
+    cfgs = _configs_to_check(dtype)
+    for rows in (1, 37, m):
+        base = gemm_triton.det_gemm_with_config(a[:rows], b, bias, cfgs[0])
+        for cfg in cfgs[1:]:
+            out = gemm_triton.det_gemm_with_config(a[:rows], b, bias, cfg)
+            assert_bitwise(out, base, f"{dtype} {rows}x{k}x{n}: {cfg} vs {cfgs[0]}")
+        if rows == m:  # row-major b (not the nn.Linear layout) too
+            bc = b.contiguous()
+            for cfg in cfgs:
+                out = gemm_triton.det_gemm_with_config(a, bc, bias, cfg)
+                assert_bitwise(out, base, f"{dtype} row-major b: {cfg}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance(dtype):
+    a, b = _linear(300, 96, 40, dtype, seed=3)
+    bias = _rand(40, dtype=dtype)
+    counts = sorted(set(_THRESHOLDS) | {1, 17, 31, 33, 199, 300})
+    check_row_invariance(
+        lambda t: det_gemm(t, b, bias, backend="triton"), a, counts=counts, what="triton fwd"
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_invariance_and_fusion(dtype):
+    a, b = _linear(37, 64, 200, dtype, seed=5)
+    full = det_gemm(a, b, backend="triton")
+    for j0, j1 in [(0, 1), (3, 50), (50, 200), (199, 200), (64, 192)]:
+        assert_bitwise(
+            det_gemm(a, b[:, j0:j1], backend="triton"), full[:, j0:j1], f"cols {j0}:{j1}"
+        )
+    w = b.t()
+    fused = det_gemm(a, torch.cat([w[:120], w[120:]]).t(), backend="triton")
+    assert_bitwise(fused[:, 120:], det_gemm(a, w[120:].t(), backend="triton"), "fused vs split")
+
+
+@needs_triton
+def test_strided_layouts():
+    dtype = torch.float32 if not ON_GPU else torch.bfloat16
+    a, b = _linear(64, 80, 48, dtype, seed=9)
+    ref = det_gemm(a.contiguous(), b.contiguous(), backend="triton")
+    a_nc = torch.empty(64, 160, dtype=dtype, device=DEVICE)[:, ::2]
+    a_nc.copy_(a)
+    a_t = a.t().contiguous().t()  # column-major a
+    for aa in (a, a_nc, a_t):
+        for bb in (b, b.contiguous(), b.t().contiguous().t()):
+            assert_bitwise(det_gemm(aa, bb, backend="triton"), ref, "layout")
+
+
+@needs_triton
+def test_empty_and_k0():
+    dtype = torch.float32
+    bias = _rand(5, dtype=dtype)
+    assert det_gemm(_rand(0, 8, dtype=dtype), _rand(8, 5, dtype=dtype), backend="triton").shape == (
+        0,
+        5,
+    )
+    out = det_gemm(_rand(3, 0, dtype=dtype), _rand(0, 5, dtype=dtype), bias, backend="triton")
+    assert_bitwise(out, bias.expand(3, 5).contiguous(), "K=0 gives bias")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_and_wgrad_plans(dtype):
+    t, k, n = 700, 40, 24
+    g = torch.Generator().manual_seed(11)
+    a = _rand(t, k, dtype=dtype, gen=g)
+    gr = _rand(t, n, dtype=dtype, gen=g)
+    x = gemm_triton.det_gemm_wgrad_with_plan(a, gr, split=False)
+    y = gemm_triton.det_gemm_wgrad_with_plan(a, gr, split=True)
+    assert_bitwise(x, y, "wgrad: split plan vs one program per tile")
+    assert_bitwise(gemm_triton.det_gemm_wgrad(a, gr), x, "wgrad run-to-run")
+    for pad in (1, 100, 300):
+        ap = torch.cat([a, a.new_zeros(pad, k)])
+        gp = torch.cat([gr, gr.new_zeros(pad, n)])
+        for split in (False, True):
+            got = gemm_triton.det_gemm_wgrad_with_plan(ap, gp, split=split)
+            assert_bitwise(got, x, f"wgrad with {pad} zero rows (split={split})")
+    rtol, atol = tolerance(dtype, grad=True)
+    assert_close(x, a.double().t() @ gr.double(), rtol=rtol, atol=atol * 4, what="wgrad")
+    # through autograd: dX row invariant, dW / dbias deterministic
+    w = _rand(n, k, dtype=dtype, gen=g).requires_grad_(True)
+    bias = _rand(n, dtype=dtype, gen=g).requires_grad_(True)
+
+    def grads(rows):
+        xi = a[:rows].clone().requires_grad_(True)
+        w.grad = bias.grad = None
+        det_gemm(xi, w.t(), bias, backend="triton").backward(gr[:rows])
+        return xi.grad, w.grad.clone(), bias.grad.clone()
+
+    dx, dw, db = grads(t)
+    dx2, dw2, db2 = grads(t)
+    for p, q, name in [(dx, dx2, "dx"), (dw, dw2, "dw"), (db, db2, "dbias")]:
+        assert_bitwise(p, q, f"{name} run-to-run")
+    for rows in (1, 17, 256, 257, 513):
+        assert_bitwise(grads(rows)[0], dx[:rows], f"dX first {rows} rows")
+    assert_close(dw, gr.double().t() @ a.double(), rtol=rtol, atol=atol * 4, what="dW")
+
+
+@needs_triton
+def test_opcheck():
+    a, b, bias = _rand(5, 16, dtype=torch.float32), _rand(16, 8, dtype=torch.float32), None
+    torch.library.opcheck(torch.ops.rl_engine.det_gemm.default, (a, b, bias, "triton"))
+    torch.library.opcheck(
+        torch.ops.rl_engine.det_gemm_wgrad.default,
+        (a, _rand(5, 8, dtype=torch.float32), "triton"),
+    )
+
+
+# --------------------------------------------------------------------- GPU only
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_every_m_up_to_2048(dtype):
+    """Bitwise: rows of every launch size 1..2048 equal the same rows inside a 16384-row launch
+    (which uses the largest config), also at shifted row positions."""
+    k, n = 512, 392
+    a, b = _linear(16384, k, n, dtype, seed=21)
+    bias = _rand(n, dtype=dtype)
+    full = det_gemm(a, b, bias, backend="triton")
+    assert_bitwise(det_gemm(a, b, bias, backend="triton"), full, "run-to-run")
+    bad = []
+    for m in range(1, 2049):
+        if not torch.equal(det_gemm(a[:m], b, bias, backend="triton"), full[:m]):
+            bad.append(m)
+    assert not bad, f"{dtype}: rows differ for M in {bad[:20]} ({len(bad)} sizes)"
+    gen = torch.Generator().manual_seed(0)
+    for m in [2049, 3000, 4095, 4096, 4097, 8191, 8192, 12345, 16383]:
+        s = int(torch.randint(0, 16384 - m + 1, (1,), generator=gen))
+        got = det_gemm(a[s : s + m], b, bias, backend="triton")
+        assert_bitwise(got, full[s : s + m], f"{dtype}: M={m} at row {s}")
+    for m in range(1, 300, 7):
+        s = int(torch.randint(0, 16384 - m + 1, (1,), generator=gen))
+        got = det_gemm(a[s : s + m], b, bias, backend="triton")
+        assert_bitwise(got, full[s : s + m], f"{dtype}: M={m} at row {s}")
+
+
+@gpu
+def test_gpu_real_shapes_row_and_column_invariance():
+    dtype = torch.bfloat16
+    for k, n in [(4096, 6144), (2048, 151936)]:
+        a, b = _linear(1024, k, n, dtype, seed=n)
+        full = det_gemm(a, b, backend="triton")
+        for m in (1, 7, 16, 64, 129, 513):
+            assert_bitwise(det_gemm(a[:m], b, backend="triton"), full[:m], f"{k}x{n} M={m}")
+        for j0, j1 in [(0, 4096), (4096, 5120), (1000, 1001), (n - 96, n)]:
+            got = det_gemm(a[:33], b[:, j0:j1], backend="triton")
+            assert_bitwise(got, full[:33, j0:j1], f"{k}x{n} cols {j0}:{j1}")
+
+
+@gpu
+def test_gpu_int64_offsets():
+    """``a`` with more than 2**31 elements: offsets need int64."""
+    k = 4096
+    m = (2**31) // k + 130
+    a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    a.normal_()
+    b = _linear(1, k, 64, torch.bfloat16, seed=1)[1]
+    out = det_gemm(a, b, backend="triton")
+    tail = det_gemm(a[-200:].clone(), b, backend="triton")
+    assert_bitwise(out[-200:], tail, "rows past 2**31 elements")
+    ref = a[-200:].float() @ b.float()
+    assert_close(out[-200:], ref, rtol=2e-2, atol=2e-2, what="int64 tail numerics")
+    del a, out
+
+
+@gpu
+def test_gpu_compile_and_cuda_graph():
+    dtype = torch.bfloat16
+    a, b = _linear(300, 256, 200, dtype, seed=2)
+    bias = _rand(200, dtype=dtype)
+    eager = det_gemm(a, b, bias, backend="triton")
+    f = torch.compile(lambda x, y, z: det_gemm(x, y, z, backend="triton"), fullgraph=True)
+    assert_bitwise(f(a, b, bias), eager, "torch.compile vs eager")
+    assert_bitwise(f(a[:17], b, bias), eager[:17], "torch.compile M=17")
+    # CUDA graph capture + replay with new inputs copied in
+    static_a = a.clone()
+    det_gemm(static_a, b, bias, backend="triton")  # warm up (compile) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = det_gemm(static_a, b, bias, backend="triton")
+    a2 = _linear(300, 256, 200, dtype, seed=4)[0]
+    static_a.copy_(a2)
+    graph.replay()
+    assert_bitwise(static_out, det_gemm(a2, b, bias, backend="triton"), "graph replay")
+    # backward under compile: deterministic
+    w = b.t().clone().requires_grad_(True)
+
+    def loss(x):
+        return det_gemm(x, w.t(), backend="triton").float().square().sum()
+
+    grads = []
+    for _ in range(2):
+        w.grad = None
+        torch.compile(loss)(a).backward()
+        grads.append(w.grad.clone())
+    assert_bitwise(grads[0], grads[1], "compiled backward dW run-to-run")
+
+
+@gpu
+def test_gpu_device_guard():
+    """Runs on the tensors' device whatever the current device is."""
+    a, b = _linear(33, 64, 48, torch.bfloat16)
+    with torch.cuda.device(torch.cuda.device_count() - 1):
+        out = det_gemm(a, b, backend="triton")
+    assert_bitwise(out, det_gemm(a, b, backend="triton"), "device guard")
