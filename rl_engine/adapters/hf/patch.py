@@ -1,0 +1,345 @@
+"""In-place patch of a transformers Llama / Qwen2 / Qwen3 model onto rl_engine ops.
+
+Per module instance (the class is untouched; ``module.forward`` becomes an instance attribute
+whose ``__wrapped__`` is the original bound ``forward``; patched functions carry
+``_rl_engine_patched = True``):
+
+* ``nn.Linear`` (q/k/v/o, gate/up/down, ``lm_head``): ``det_gemm(x, W.t(), bias)``.
+  ``det_gemm`` is column invariant, so separate q/k/v (gate/up) GEMMs give the bits of vLLM's
+  fused QKV (gate_up) GEMM.
+* ``*RMSNorm`` (layer norms, final norm, Qwen3 q/k norms): ``rms_norm(x, w, eps)``. The decoder
+  layer's ``residual + h`` (model dtype) followed by the norm equals vLLM's fused
+  ``rms_norm(x, w, eps, residual)`` bitwise.
+* ``*MLP``: ``down(silu_and_mul(cat([gate(x), up(x)])))`` (gate first, as vLLM's gate_up).
+* ``*Attention``: projections, q/k norm, ``rope`` on q and k (neox layout, positions from
+  ``position_ids``), then ``attention`` (varlen, causal; padding and packed sequences become
+  ``cu_seqlens``) or, when decoding against a KV cache (``generate``), ``paged_attention`` on the
+  cached keys/values, then ``o_proj``.
+* ``config._attn_implementation`` is set to ``"rl_engine"`` (registered in transformers'
+  ``AttentionInterface``, with the flash-attention style 2-D padding mask), so the attention
+  receives the padding mask as [B, kv_len] booleans.
+
+Deliberately left alone: the embedding lookup (a row gather, exact), the residual adds of the
+decoder layer (model dtype, the same op vLLM runs), the rotary-embedding module (its cos/sin are
+computed but ignored: rl_engine's ``rope`` builds its own tables), the loss function and the
+generation utilities (sampling is not an rl_engine op).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rl_engine import ops
+
+__all__ = ["is_patched", "patch_model", "rope_kwargs", "unpatch_model"]
+
+MARK = "_rl_engine_patched"
+ATTN_NAME = "rl_engine"
+SUPPORTED = ("llama", "qwen2", "qwen3")
+_BLOCK = 16  # block size of the compact KV cache handed to paged_attention while decoding
+
+
+class UnsupportedModelError(NotImplementedError):
+    """A model / config whose numerics the HF adapter cannot route through rl_engine."""
+
+
+# ------------------------------------------------------------------------------ configuration
+def rope_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rl_engine.ops.rope`` keyword arguments (theta, rotary_dim, is_neox, scaling) of a Llama /
+    Qwen ``config.json`` dict (``rope_parameters``, or ``rope_theta`` + ``rope_scaling``)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = params if params else dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    rotary_dim = None if partial == 1.0 else int(head_dim * partial)
+    if rope_type == "default":
+        scaling_out = None
+    else:
+        scaling_out = {k: v for k, v in scaling.items() if k != "type"}
+        scaling_out["rope_type"] = rope_type
+    return {
+        "theta": float(theta),
+        "rotary_dim": rotary_dim,
+        "is_neox": True,
+        "scaling": scaling_out,
+    }
+
+
+def _check_config(config: Any) -> None:
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED:
+        raise UnsupportedModelError(f"patch_model: model_type {mt!r}; supported {SUPPORTED}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"patch_model: hidden_act {config.hidden_act!r}")
+    if getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError("patch_model: sliding-window attention")
+    if getattr(config, "pretraining_tp", 1) not in (1, None):
+        raise UnsupportedModelError("patch_model: pretraining_tp > 1")
+
+
+# ------------------------------------------------------------------------------ patching helpers
+def _install(
+    module: torch.nn.Module, make: Callable[[torch.nn.Module], Callable[..., Any]]
+) -> bool:
+    current = module.__dict__.get("forward")
+    if current is not None and getattr(current, MARK, False):
+        return False
+    original = module.forward
+    new = make(module)
+    functools.update_wrapper(new, original)
+    new.__wrapped__ = original
+    setattr(new, MARK, True)
+    module.forward = new
+    return True
+
+
+def _linear_forward(mod: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = ops.det_gemm(x.reshape(-1, shape[-1]), mod.weight.t(), mod.bias)
+        return y.view(*shape[:-1], mod.weight.shape[0])
+
+    return forward
+
+
+def _norm_forward(mod: torch.nn.Module):
+    eps = getattr(mod, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(mod, "eps", None)
+    if eps is None or getattr(mod, "weight", None) is None:
+        raise UnsupportedModelError(f"patch_model: {type(mod).__name__} without weight / eps")
+    eps = float(eps)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, mod.weight, eps)
+
+    return forward
+
+
+def _mlp_forward(mod: torch.nn.Module):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat([mod.gate_proj(x), mod.up_proj(x)], dim=-1)
+        return mod.down_proj(ops.silu_and_mul(gate_up))
+
+    return forward
+
+
+def _cu_from_lens(lens: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
+    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    return cu
+
+
+def _packed_cu_from_positions(pos: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens of a [1, T] batch whose position ids restart at 0 (packed), else ``None``."""
+    p = pos[0]
+    starts = (p == 0).nonzero().flatten()
+    if starts.numel() <= 1:
+        return None
+    if int(starts[0]) != 0:
+        raise UnsupportedModelError("packed position_ids must start at 0")
+    lens = torch.diff(torch.cat([starts, starts.new_tensor([p.numel()])]))
+    return _cu_from_lens(lens)
+
+
+def _attention_forward(mod: torch.nn.Module, rope_kw: dict[str, Any]):
+    cfg = mod.config
+    d = mod.head_dim
+    hq = cfg.num_attention_heads
+    hkv = cfg.num_key_value_heads
+    scale = mod.scaling
+    if getattr(mod, "sliding_window", None):
+        raise UnsupportedModelError("patch_model: sliding-window attention layer")
+
+    def forward(
+        hidden_states: torch.Tensor,
+        position_embeddings: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ):
+        b, s, _ = hidden_states.shape
+        q = mod.q_proj(hidden_states).view(b, s, hq, d)
+        k = mod.k_proj(hidden_states).view(b, s, hkv, d)
+        v = mod.v_proj(hidden_states).view(b, s, hkv, d)
+        if getattr(mod, "q_norm", None) is not None:
+            q = mod.q_norm(q)
+            k = mod.k_norm(k)
+        past = 0
+        if past_key_values is not None:
+            past = past_key_values.get_seq_length(mod.layer_idx)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(s, device=q.device) + past).unsqueeze(0)
+        pos = position_ids.expand(b, s).reshape(-1)
+        q = ops.rope(q.reshape(b * s, hq, d), pos, **rope_kw)
+        k = ops.rope(k.reshape(b * s, hkv, d), pos, **rope_kw)
+        v = v.reshape(b * s, hkv, d)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise UnsupportedModelError(
+                "rl_engine attention expects the 2-D padding mask of the 'rl_engine' attention "
+                f"implementation, got a {attention_mask.dim()}-D mask (was the config changed?)"
+            )
+        if past_key_values is not None:
+            k4, v4 = past_key_values.update(
+                k.view(b, s, hkv, d).transpose(1, 2),
+                v.view(b, s, hkv, d).transpose(1, 2),
+                mod.layer_idx,
+            )
+            total = k4.shape[2]
+        else:
+            total = s
+        if total == s:
+            out = _prefill(q, k, v, b, s, attention_mask, position_ids, kwargs, scale)
+        else:
+            out = _decode(q, k4, v4, b, s, attention_mask, scale)
+        out = out.reshape(b, s, hq * d)
+        return mod.o_proj(out), None
+
+    return forward
+
+
+def _prefill(q, k, v, b, s, mask, position_ids, kwargs, scale):
+    """Varlen causal attention over the (unpadded) sequences of a [b, s] batch."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        if b != 1:
+            raise UnsupportedModelError("cu_seq_lens_q needs a [1, T] packed batch")
+        cuk = kwargs.get("cu_seq_lens_k")
+        if cuk is not None and not torch.equal(cuk, cu):
+            raise UnsupportedModelError("cu_seq_lens_k different from cu_seq_lens_q")
+        return ops.attention(q, k, v, cu.to(torch.int32), scale=scale, causal=True)
+    if mask is None:
+        packed = _packed_cu_from_positions(position_ids) if b == 1 else None
+        if packed is not None:
+            return ops.attention(q, k, v, packed, scale=scale, causal=True)
+        cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
+        return ops.attention(q, k, v, cu, scale=scale, causal=True)
+    keep = mask.to(torch.bool)[:, -s:].reshape(-1)
+    cu = _cu_from_lens(mask.to(torch.bool)[:, -s:].sum(1))
+    sel = keep.nonzero().flatten()
+    o = ops.attention(q[sel], k[sel], v[sel], cu, scale=scale, causal=True)
+    out = q.new_zeros(q.shape)
+    return out.index_copy(0, sel, o)
+
+
+def _decode(q, k4, v4, b, s, mask, scale):
+    """Attention of the last ``s`` tokens of each row against the cache, via paged_attention.
+
+    The cache [b, Hkv, total, D] is compacted per row (padding keys dropped) into blocks of
+    ``_BLOCK`` tokens; the query tokens are each row's last ``s`` positions.
+    """
+    total = k4.shape[2]
+    if mask is None:
+        valid = torch.ones(b, total, dtype=torch.bool, device=q.device)
+    else:
+        valid = mask.to(torch.bool)[:, -total:]
+    lens = valid.sum(1)
+    nblk = max(1, -(-int(lens.max()) // _BLOCK))
+    hkv, d = k4.shape[1], k4.shape[3]
+    kc = k4.new_zeros(b, nblk * _BLOCK, hkv, d)
+    vc = v4.new_zeros(b, nblk * _BLOCK, hkv, d)
+    for i in range(b):
+        idx = valid[i].nonzero().flatten()
+        kc[i, : idx.numel()] = k4[i, :, idx].transpose(0, 1)
+        vc[i, : idx.numel()] = v4[i, :, idx].transpose(0, 1)
+    kc = kc.view(b * nblk, _BLOCK, hkv, d)
+    vc = vc.view(b * nblk, _BLOCK, hkv, d)
+    table = torch.arange(b * nblk, device=q.device, dtype=torch.int32).view(b, nblk)
+    qsl = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
+    return ops.paged_attention(q, kc, vc, table, lens.to(torch.int32), qsl, scale=scale)
+
+
+def _register_attention_implementation() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    def _direct_call(*args: Any, **kwargs: Any):
+        raise UnsupportedModelError(
+            "the 'rl_engine' attention implementation runs inside patched attention modules "
+            "only (call rl_engine.adapters.hf.patch_model on the model)"
+        )
+
+    AttentionInterface.register(ATTN_NAME, _direct_call)
+    AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
+
+
+# ------------------------------------------------------------------------------ public API
+def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, list[str]]:
+    """Route a transformers Llama / Qwen2 / Qwen3 model's forward through rl_engine ops, in place.
+
+    Idempotent: a second call patches nothing. The original ``forward`` of every patched module
+    is kept in ``module.forward.__wrapped__``; :func:`unpatch_model` restores them.
+
+    Args:
+        model: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (or the bare
+            decoder model).
+        strict: refuse a model with a numerically relevant module the adapter does not route
+            (any other module type with parameters).
+
+    Returns:
+        ``{"patched": [...], "already": [...], "left_alone": [...]}`` module names.
+
+    Raises:
+        UnsupportedModelError: unsupported architecture / config, or (strict) unroutable modules.
+    """
+    config = model.config
+    _check_config(config)
+    rope_kw = rope_kwargs(config.to_dict())
+    _register_attention_implementation()
+    report: dict[str, list[str]] = {"patched": [], "already": [], "left_alone": []}
+    unroutable: list[str] = []
+    handled_children: set[int] = set()
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        make: Callable[[torch.nn.Module], Callable[..., Any]] | None = None
+        if cls.endswith("Attention") and hasattr(mod, "q_proj"):
+            make = functools.partial(_attention_forward, rope_kw=rope_kw)
+        elif cls.endswith("MLP") and hasattr(mod, "gate_proj"):
+            make = _mlp_forward
+        elif cls.endswith("RMSNorm"):
+            make = _norm_forward
+        elif isinstance(mod, torch.nn.Linear):
+            make = _linear_forward
+        if make is None:
+            own = [p for p in mod.parameters(recurse=False)]
+            if isinstance(mod, torch.nn.Embedding) or cls.endswith("RotaryEmbedding"):
+                report["left_alone"].append(name)
+            elif own and id(mod) not in handled_children:
+                unroutable.append(f"{name} ({cls})")
+            continue
+        if _install(mod, make):
+            report["patched"].append(name)
+        else:
+            report["already"].append(name)
+    if unroutable and strict:
+        raise UnsupportedModelError(f"patch_model: cannot route {', '.join(unroutable)}")
+    if getattr(config, "_attn_implementation", None) != ATTN_NAME:
+        model._rl_engine_attn_implementation = config._attn_implementation
+        config._attn_implementation = ATTN_NAME
+    model._rl_engine_patched = True
+    return report
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether :func:`patch_model` has been applied to ``model``."""
+    return bool(getattr(model, MARK, False))
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Undo :func:`patch_model` (restore every module's original ``forward``)."""
+    for mod in model.modules():
+        fwd = mod.__dict__.get("forward")
+        if fwd is not None and getattr(fwd, MARK, False):
+            del mod.__dict__["forward"]
+    if hasattr(model, "_rl_engine_attn_implementation"):
+        model.config._attn_implementation = model._rl_engine_attn_implementation
+        del model._rl_engine_attn_implementation
+    if getattr(model, MARK, False):
+        model._rl_engine_patched = False

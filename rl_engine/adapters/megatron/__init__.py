@@ -1,0 +1,29 @@
+"""megatron-core trainer adapter (see docs/adapters/megatron.md).
+
+* :func:`get_gpt_layer_rl_spec` / :func:`get_gpt_block_rl_spec`: GPT layer / block specs built
+  from rl_engine modules (local spec; no Transformer Engine / apex).
+* :func:`replace_modules`: swap an existing ``GPTModel``'s numerics to rl_engine in place.
+* :func:`token_logprobs`: teacher-forced token log-probs through ``linear_logp``.
+* :func:`from_pretrained`: a ``GPTModel`` with the rl_engine spec from a Hugging Face Llama /
+  Qwen2 / Qwen3 checkpoint.
+
+Import explicitly (``import rl_engine.adapters.megatron``); needs ``megatron-core``.
+"""
+
+from rl_engine.adapters.megatron.loader import from_pretrained, hf_to_megatron_state
+from rl_engine.adapters.megatron.logprobs import token_logprobs
+from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
+from rl_engine.adapters.megatron.replace import ReplaceReport, replace_modules
+from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec, get_gpt_layer_rl_spec
+
+__all__ = [
+    "ReplaceReport",
+    "RopeSettings",
+    "UnsupportedNumericsError",
+    "from_pretrained",
+    "get_gpt_block_rl_spec",
+    "get_gpt_layer_rl_spec",
+    "hf_to_megatron_state",
+    "replace_modules",
+    "token_logprobs",
+]

@@ -1,0 +1,218 @@
+"""Build a megatron-core ``GPTModel`` with the rl_engine spec from a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
+from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec
+
+__all__ = ["from_pretrained", "hf_config_to_megatron", "rope_from_hf_config"]
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def rope_from_hf_config(cfg: dict[str, Any]) -> RopeSettings:
+    """RoPE settings of a Llama / Qwen ``config.json`` dict (the HF adapter's parsing)."""
+    from rl_engine.adapters.hf.patch import rope_kwargs
+
+    return RopeSettings(**rope_kwargs(cfg))
+
+
+def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: Any) -> Any:
+    """A ``TransformerConfig`` equivalent to a Llama / Qwen2 / Qwen3 ``config.json``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED:
+        raise UnsupportedNumericsError(
+            f"from_pretrained: model_type {arch!r}; supported {SUPPORTED}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedNumericsError(f"from_pretrained: hidden_act {cfg['hidden_act']!r}")
+    if cfg.get("use_sliding_window", False):
+        raise UnsupportedNumericsError("from_pretrained: sliding-window attention")
+    if cfg.get("mlp_bias", False):
+        raise UnsupportedNumericsError("from_pretrained: MLP bias")
+    if arch == "llama" and cfg.get("attention_bias", False):
+        # o_proj would carry a bias too; Megatron adds it in the bias-dropout-add
+        raise UnsupportedNumericsError("from_pretrained: Llama attention_bias")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kw: dict[str, Any] = dict(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        kv_channels=head_dim,
+        ffn_hidden_size=cfg["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_layernorm=arch == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def hf_to_megatron_state(
+    hf: dict[str, torch.Tensor], cfg: dict[str, Any], tied: bool
+) -> dict[str, torch.Tensor]:
+    """Map a Hugging Face Llama / Qwen state dict to a TP = 1 ``GPTModel`` state dict.
+
+    QKV: Megatron stores, per query group g, the rows ``[q heads of g; k_g; v_g]`` (so that a
+    TP shard holds whole groups); the same interleave applies to the QKV bias. FC1 is
+    ``[gate; up]``.
+    """
+    nq = cfg["num_attention_heads"]
+    ng = cfg.get("num_key_value_heads") or nq
+    d = cfg.get("head_dim") or cfg["hidden_size"] // nq
+    per = nq // ng
+    out: dict[str, torch.Tensor] = {}
+    pre = "model."
+
+    def qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rest = q.shape[1:]
+        q = q.reshape(ng, per * d, *rest)
+        k = k.reshape(ng, d, *rest)
+        v = v.reshape(ng, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest).contiguous()
+
+    out["embedding.word_embeddings.weight"] = hf[pre + "embed_tokens.weight"]
+    out["decoder.final_layernorm.weight"] = hf[pre + "norm.weight"]
+    if not tied:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        h = f"{pre}layers.{i}."
+        m = f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]
+        )
+        if a + "q_proj.bias" in hf:
+            out[m + "self_attention.linear_qkv.bias"] = qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"]
+            )
+        if a + "q_norm.weight" in hf:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0
+        )
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    **config_overrides: Any,
+) -> Any:
+    """A ``GPTModel`` with the rl_engine spec and the weights of a Hugging Face checkpoint.
+
+    Supports Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm), tied or untied
+    embeddings, at TP = PP = 1 (the weights are loaded unsharded). Megatron's model-parallel
+    state must be initialised (``parallel_state.initialize_model_parallel``).
+
+    Args:
+        path: folder with ``config.json`` and ``model.safetensors`` (or an index + shards).
+        dtype: parameter dtype (default: the checkpoint's ``dtype`` / ``torch_dtype``).
+        device: where to put the model (default: CUDA when available, else CPU).
+        **config_overrides: extra ``TransformerConfig`` fields.
+
+    Returns:
+        ``GPTModel`` in eval mode, built with ``position_embedding_type="none"`` (RoPE is applied
+        by the rl_engine core attention; ``model.rl_engine_rope`` holds its settings).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "from_pretrained: initialise Megatron's model-parallel state first "
+            "(torch.distributed.init_process_group + parallel_state.initialize_model_parallel)"
+        )
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        raise UnsupportedNumericsError("from_pretrained: loads TP = 1 weights only")
+    path = os.fspath(path)
+    cfg = _read_config(path)
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    tcfg = hf_config_to_megatron(cfg, dtype, **config_overrides)
+    rope = rope_from_hf_config(cfg)
+    spec = get_gpt_block_rl_spec(tcfg.num_layers, qk_layernorm=tcfg.qk_layernorm, rope=rope)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=cfg["vocab_size"],
+        max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="none",
+    )
+    hf = dict(_tensors(path))
+    state = hf_to_megatron_state(hf, cfg, tied)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"from_pretrained: state dict mismatch: missing {missing}, unexpected {unexpected}"
+        )
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise RuntimeError(f"from_pretrained: {k}: shape {tuple(v.shape)} != {own[k].shape}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device=device, dtype=dtype)
+    model.rl_engine_rope = rope
+    model.eval()
+    return model

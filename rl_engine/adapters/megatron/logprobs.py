@@ -1,0 +1,205 @@
+"""``token_logprobs``: teacher-forced token log-probs of a megatron-core GPTModel via linear_logp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_engine import ops
+from rl_engine.adapters.megatron.modules import UnsupportedNumericsError
+
+__all__ = ["token_logprobs", "unwrap_gpt"]
+
+
+def unwrap_gpt(model: Any) -> Any:
+    """The ``GPTModel`` inside DDP / ``Float16Module`` style wrappers (``.module`` chains)."""
+    from megatron.core.models.gpt import GPTModel
+
+    m = model
+    for _ in range(8):
+        if isinstance(m, GPTModel):
+            return m
+        m = getattr(m, "module", None)
+        if m is None:
+            break
+    raise TypeError(f"expected a megatron-core GPTModel (or a wrapper of one), got {type(model)}")
+
+
+def _output_weight(gpt: Any) -> torch.Tensor:
+    if not (gpt.pre_process and gpt.post_process):
+        raise UnsupportedNumericsError("token_logprobs: pipeline parallelism is not supported")
+    if gpt.share_embeddings_and_output_weights:
+        w = gpt.shared_embedding_or_output_weight()
+    else:
+        w = gpt.output_layer.weight
+    if w.shape[0] != gpt.vocab_size:
+        raise UnsupportedNumericsError(
+            f"token_logprobs: the LM head holds {w.shape[0]} of {gpt.vocab_size} vocabulary rows "
+            "(vocab-parallel TP > 1 is not supported)"
+        )
+    return w
+
+
+def _hidden(gpt: Any, ids: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:
+    """Final hidden states [s, b, H] (after the final RMSNorm) for ids [b, s]."""
+    b, s = ids.shape
+    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    emb = gpt.embedding(input_ids=ids, position_ids=pos)
+    return gpt.decoder(hidden_states=emb, attention_mask=None, packed_seq_params=packed_seq_params)
+
+
+def _packed_params(cu: torch.Tensor) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    max_len = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
+
+
+def _masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _check_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor [B + 1]")
+    cu = cu_seqlens.to(torch.int32)
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at {total}; got {cu.tolist()}"
+        )
+    return cu
+
+
+def _logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+):
+    return ops.linear_logp(hidden, weight, targets, temperature, return_entropy=return_entropy)
+
+
+def _packed_logprobs(gpt, ids, cu, weight, temperature, return_entropy):
+    """ids [T], cu [B+1] -> logp [T-1] (entries whose target starts a sequence are 0)."""
+    t = ids.shape[0]
+    h = _hidden(gpt, ids.unsqueeze(0), _packed_params(cu))  # [T, 1, H]
+    h = h.reshape(t, -1)
+    res = _logp(h[:-1], weight, ids[1:], temperature, return_entropy)
+    starts = cu[1:-1].long()
+    starts = starts[(starts > 0) & (starts < t)]
+    keep = torch.ones(t - 1, dtype=torch.bool, device=ids.device)
+    keep[starts - 1] = False
+    if return_entropy:
+        return tuple(_masked(r, keep) for r in res)
+    return _masked(res, keep)
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``input_ids[:, 1:]`` under the model at ``temperature``, via ``linear_logp``.
+
+    The [tokens, vocab] logits are never materialised. Differentiable (backward through
+    ``linear_logp`` and the rl_engine layers). The model must be built with the rl_engine spec
+    (:func:`~rl_engine.adapters.megatron.from_pretrained`, :func:`get_gpt_block_rl_spec`) or
+    converted with :func:`~rl_engine.adapters.megatron.replace_modules`.
+
+    Layouts:
+
+    * padded batch: ``input_ids`` [B, T], optional ``attention_mask`` [B, T] (1 = token). Right
+      padding runs as one [T, B] batch (causal attention keeps padding out of real tokens);
+      any other padding (e.g. left) is unpadded into packed sequences first. Returns [B, T-1];
+      entries whose target is padding are 0.
+    * packed: ``input_ids`` [T] or [1, T] and ``cu_seqlens`` [B+1] (int); returns [T-1]
+      (or [1, T-1]); entry j is the log-prob of token j+1 given the tokens of its own sequence
+      before it, and is 0 where token j+1 starts a new sequence.
+
+    Args:
+        model: a ``GPTModel`` (or a DDP / Float16Module wrapper), TP = PP = CP = 1 for the LM
+            head (other layers follow Megatron's TP semantics).
+        input_ids: int64 token ids.
+        temperature: the rollout's sampling temperature (logits are divided by it).
+        attention_mask: padding mask of the padded layout.
+        cu_seqlens: sequence boundaries of the packed layout.
+        return_entropy: also return the entropy at each position (same shape).
+
+    Returns:
+        fp32 log-probs (and entropies).
+    """
+    gpt = unwrap_gpt(model)
+    weight = _output_weight(gpt)
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be int64/int32, got {input_ids.dtype}")
+    input_ids = input_ids.long()
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
+        flat = input_ids.reshape(-1)
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"packed input_ids must be [T] or [1, T], got {tuple(input_ids.shape)}"
+            )
+        cu = _check_cu(cu_seqlens.to(flat.device), flat.shape[0])
+        res = _packed_logprobs(gpt, flat, cu, weight, temperature, return_entropy)
+        if input_ids.dim() == 2:
+            res = tuple(r.unsqueeze(0) for r in res) if return_entropy else res.unsqueeze(0)
+        return res
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T] (or pass cu_seqlens), got {input_ids.shape}")
+    b, t = input_ids.shape
+    if t < 2:
+        raise ValueError("input_ids needs at least 2 tokens per row")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        mask = attention_mask.to(torch.bool)
+        lens = mask.sum(1)
+        right = torch.arange(t, device=mask.device)[None, :] < lens[:, None]
+        if not torch.equal(mask, right):
+            return _unpadded_logprobs(gpt, input_ids, mask, weight, temperature, return_entropy)
+    h = _hidden(gpt, input_ids)  # [T, B, H]
+    h = h.transpose(0, 1)[:, :-1].reshape(b * (t - 1), -1)
+    res = _logp(h, weight, input_ids[:, 1:].reshape(-1), temperature, return_entropy)
+    res = tuple(r.view(b, t - 1) for r in res) if return_entropy else res.view(b, t - 1)
+    if attention_mask is not None:
+        keep = attention_mask[:, 1:].to(torch.bool)
+        res = tuple(_masked(r, keep) for r in res) if return_entropy else _masked(res, keep)
+    return res
+
+
+def _unpadded_logprobs(gpt, input_ids, mask, weight, temperature, return_entropy):
+    """Any padding: pack the real tokens, run packed, scatter back to [B, T-1]."""
+    b, t = input_ids.shape
+    lens = mask.sum(1)
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    flat = input_ids[mask]
+    res = _packed_logprobs(gpt, flat, cu, weight, temperature, return_entropy)
+    outs = res if return_entropy else (res,)
+    # target (b, j) with j >= 1 real and its predecessor real <-> packed entry (flat index - 1)
+    flat_index = torch.cumsum(mask.reshape(-1).long(), 0).view(b, t) - 1
+    tgt_ok = mask[:, 1:] & mask[:, :-1]
+    src = (flat_index[:, 1:] - 1).clamp(min=0)
+    scattered = []
+    for r in outs:
+        full = torch.cat([r, r.new_zeros(1)])
+        vals = full[src.reshape(-1)].view(b, t - 1)
+        scattered.append(_masked(vals, tgt_ok))
+    return tuple(scattered) if return_entropy else scattered[0]

@@ -1,0 +1,390 @@
+"""Megatron-core modules whose numerics run on rl_engine ops.
+
+Every module keeps the constructor of the Megatron module it stands in for (so a layer spec can
+name it and :func:`~rl_engine.adapters.megatron.replace_modules` can swap it in place), and
+changes only what is computed:
+
+* :class:`RLColumnParallelLinear` / :class:`RLRowParallelLinear`: ``det_gemm(x, W.t(), bias)``
+  on the local shard. Column parallel needs no reduction, so it is exact at any TP degree (each
+  output column is computed in full on one rank). Row parallel at TP > 1 combines the rank
+  partials with a fixed-order pairwise fp32 sum after an all-gather (never an NCCL all-reduce,
+  whose order depends on the algorithm NCCL picks); it is deterministic for a given TP degree but
+  not bitwise equal to TP = 1.
+* :class:`RLRMSNorm`: ``rms_norm(x, weight, eps)`` (the residual add happens in the transformer
+  layer's bias-dropout-add, in the model dtype, exactly like the fused ``rms_norm(x, w, eps,
+  residual)`` of the rollout engine).
+* :class:`RLMLP`: fc1 (``[gate; up]`` rows, Megatron's gated layout) then ``silu_and_mul``.
+* :class:`RLCoreAttention`: RoPE (``rl_engine.ops.rope`` on q and k, positions from the layout:
+  0..s-1 per sequence in the padded ``sbhd`` layout, restarting at every ``cu_seqlens`` boundary
+  in the packed ``thd`` layout, which is what Megatron's own RoPE does) and then
+  ``rl_engine.ops.attention`` (causal, varlen).
+* :class:`RLSelfAttention`: Megatron's ``SelfAttention`` with its own RoPE switched off (the core
+  attention applies rl_engine's).
+* :func:`rl_bias_dropout_add`: ``x + residual`` in the model dtype; refuses biases and dropout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+
+from rl_engine import ops
+from rl_engine.ops._common import tree_sum
+
+__all__ = [
+    "RLColumnParallelLinear",
+    "RLCoreAttention",
+    "RLMLP",
+    "RLRMSNorm",
+    "RLRowParallelLinear",
+    "RLSelfAttention",
+    "RopeSettings",
+    "rl_bias_dropout_add",
+]
+
+
+class UnsupportedNumericsError(NotImplementedError):
+    """A Megatron feature whose numerics the rl_engine spec does not reproduce."""
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``det_gemm`` over the last dim of ``x`` [..., K] with an ``nn.Linear``-layout weight [N, K]."""
+    shape = x.shape
+    y = ops.det_gemm(x.reshape(-1, shape[-1]), weight.t(), bias)
+    return y.view(*shape[:-1], weight.shape[0])
+
+
+def _tp_size(group: Any) -> int:
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def _refuse(cond: bool, what: str) -> None:
+    if cond:
+        raise UnsupportedNumericsError(f"rl_engine Megatron spec: {what} is not supported")
+
+
+def _check_linear(layer: Any) -> None:
+    _refuse(getattr(layer, "sequence_parallel", False), "sequence parallelism")
+    _refuse(getattr(layer, "explicit_expert_comm", False), "expert-parallel linear layers")
+    _refuse(
+        bool(getattr(layer.config, "defer_embedding_wgrad_compute", False)),
+        "defer_embedding_wgrad_compute",
+    )
+
+
+class RLColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` computing ``det_gemm(x, W_shard.t(), bias_shard)``.
+
+    Shapes: input [s, b, in] (or [t, in]), output [s, b, out / tp] (gathered to ``out`` when
+    ``gather_output``). Returns ``(output, bias)`` like Megatron (bias only when
+    ``skip_bias_add``).
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _check_linear(self)
+        if weight is None:
+            weight = self.weight
+        if weight is None:
+            raise RuntimeError("RLColumnParallelLinear: no weight (skip_weight_param_allocation)")
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected}")
+        bias = self.bias if not self.skip_bias_add else None
+        tp = _tp_size(self.tp_group)
+        x = input_
+        if tp > 1:
+            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        out = _linear(x, weight, bias)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and tp > 1:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class _FixedOrderAllReduce(torch.autograd.Function):
+    """Sum of the TP ranks' partials in rank order (pairwise fp32 tree), same bits on every rank."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        world = torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(partial) for _ in range(world)]
+        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
+        return tree_sum(torch.stack(parts).float(), dim=0).to(partial.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class RLRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` computing ``det_gemm(x_shard, W_shard.t())`` per rank.
+
+    At TP = 1 the bias is fused into the GEMM (``det_gemm(x, W.t(), bias)``, as the rollout does).
+    At TP > 1 the rank partials are combined by :class:`_FixedOrderAllReduce`, then the bias is
+    added in the model dtype.
+    """
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        _check_linear(self)
+        tp = _tp_size(self.tp_group)
+        _refuse(tp > 1 and not self.input_is_parallel, "RowParallelLinear(input_is_parallel=False)")
+        fuse_bias = tp == 1 and not self.skip_bias_add and self.bias is not None
+        out = _linear(input_, self.weight, self.bias if fuse_bias else None)
+        if tp > 1:
+            out = _FixedOrderAllReduce.apply(out, self.tp_group)
+            if not self.skip_bias_add and self.bias is not None:
+                out = out + self.bias
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RLRMSNorm(torch.nn.Module):
+    """RMSNorm through ``rl_engine.ops.rms_norm`` (Megatron norm constructor signature).
+
+    Args:
+        config: the Megatron ``TransformerConfig``.
+        hidden_size: normalised size H (hidden size, or head dim for q/k norms).
+        eps: epsilon.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        _refuse(
+            bool(getattr(config, "layernorm_zero_centered_gamma", False)), "zero-centered gamma"
+        )
+        _refuse(getattr(config, "normalization", "RMSNorm") != "RMSNorm", "LayerNorm")
+        self.config = config
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+        )
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H] in x.dtype."""
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _init_device(config: Any) -> torch.device:
+    if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class RLMLP(MLP):
+    """Gated MLP: ``fc2(silu_and_mul(fc1(x)))`` with fc1 rows ``[gate; up]`` (Megatron layout)."""
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):  # type: ignore[override]
+        _refuse(per_token_scale is not None, "MoE per-token scales")
+        _refuse(not self.config.gated_linear_unit, "non-gated MLP")
+        _refuse(
+            self.config.activation_func is not torch.nn.functional.silu,
+            "an activation other than SiLU",
+        )
+        h, bias = self.linear_fc1(hidden_states)
+        _refuse(bias is not None, "an MLP fc1 bias")
+        act = ops.silu_and_mul(h)
+        return self.linear_fc2(act)
+
+
+class RopeSettings:
+    """RoPE parameters of a model (what ``rl_engine.ops.rope`` needs besides positions).
+
+    Args:
+        theta: base.
+        rotary_dim: rotated dims per head (``None`` = head dim).
+        is_neox: rotate-half layout (Llama / Qwen); ``False`` = GPT-J interleaved pairs.
+        scaling: ``None`` or a Hugging Face ``rope_scaling``-style dict.
+    """
+
+    def __init__(
+        self,
+        theta: float = 10000.0,
+        rotary_dim: int | None = None,
+        is_neox: bool = True,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        self.theta = float(theta)
+        self.rotary_dim = rotary_dim
+        self.is_neox = bool(is_neox)
+        self.scaling = dict(scaling) if scaling else None
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D], positions [T] -> rotated x."""
+        return ops.rope(
+            x,
+            positions,
+            theta=self.theta,
+            rotary_dim=self.rotary_dim,
+            is_neox=self.is_neox,
+            scaling=self.scaling,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RopeSettings(theta={self.theta}, rotary_dim={self.rotary_dim}, "
+            f"is_neox={self.is_neox}, scaling={self.scaling})"
+        )
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Token positions [total] restarting at 0 at every ``cu_seqlens`` boundary."""
+    cu = cu_seqlens.to(torch.long)
+    lens = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lens, output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
+def _is_causal_mask(mask: torch.Tensor, sq: int) -> bool:
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=mask.device), diagonal=1)
+    return mask.dtype == torch.bool and bool((mask == causal).all())
+
+
+class RLCoreAttention(MegatronModule):
+    """Core attention: rl_engine RoPE on q/k, then ``rl_engine.ops.attention`` (causal).
+
+    Constructor as Megatron's ``DotProductAttention`` plus ``rope`` (a :class:`RopeSettings`, or
+    ``None`` for no rotary embedding).
+
+    Forward inputs: sbhd q [sq, b, np, hn], k/v [sq, b, ng, hn] (padded batch: every column of
+    ``b`` is one sequence of length sq) or thd q [t, np, hn], k/v [t, ng, hn] with
+    ``packed_seq_params.cu_seqlens_q``. Output [sq, b, np * hn] or [t, np * hn].
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        rope: RopeSettings | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        _refuse(config.context_parallel_size != 1, "context parallelism")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.rope = rope
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attention_dropout_p = float(dropout)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        _refuse(attention_bias is not None, "attention_bias")
+        _refuse(self.training and self.attention_dropout_p > 0, "attention dropout")
+        mask_name = getattr(attn_mask_type or self.attn_mask_type, "name", "causal")
+        _refuse(mask_name not in ("causal", "padding_causal"), f"attention mask type {mask_name}")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            _refuse(
+                packed_seq_params.cu_seqlens_q_padded is not None
+                and not torch.equal(
+                    packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q
+                ),
+                "padded cu_seqlens (context-parallel padding)",
+            )
+            _refuse(
+                packed_seq_params.cu_seqlens_kv is not None
+                and not torch.equal(
+                    packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_q
+                ),
+                "cu_seqlens_kv different from cu_seqlens_q",
+            )
+            t = query.shape[0]
+            cu = packed_seq_params.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+            q, k, v = query, key, value
+            positions = positions_from_cu_seqlens(cu, t)
+            out_shape: tuple[int, ...] = (t, -1)
+            sbhd = None
+        else:
+            sq, b = query.shape[0], query.shape[1]
+            if attention_mask is not None and not _is_causal_mask(
+                attention_mask.reshape(-1, *attention_mask.shape[-2:])[0], sq
+            ):
+                raise UnsupportedNumericsError(
+                    "rl_engine Megatron spec: only causal attention is supported in the padded "
+                    "layout (right padding is causal-safe; use packed sequences otherwise)"
+                )
+            q, k, v = (x.transpose(0, 1).reshape(b * sq, *x.shape[2:]) for x in (query, key, value))
+            cu = torch.arange(b + 1, device=query.device, dtype=torch.int32) * sq
+            positions = torch.arange(sq, device=query.device).repeat(b)
+            out_shape = (b, sq, -1)
+            sbhd = (sq, b)
+        if self.rope is not None:
+            q = self.rope.apply(q, positions)
+            k = self.rope.apply(k, positions)
+        out = ops.attention(q, k, v, cu, scale=self.softmax_scale, causal=True)
+        out = out.reshape(*out_shape)
+        if sbhd is not None:
+            out = out.transpose(0, 1).contiguous()
+        return out
+
+
+class RLSelfAttention(SelfAttention):
+    """Megatron ``SelfAttention`` with Megatron's RoPE switched off (the core attention applies
+    rl_engine's RoPE) and no inference (KV-cache) path."""
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):  # type: ignore[override]
+        if (
+            kwargs.get("inference_context") is not None
+            or kwargs.get("inference_params") is not None
+        ):
+            raise UnsupportedNumericsError(
+                "rl_engine Megatron spec: the inference (KV-cache) path is not supported; the "
+                "trainer adapter computes teacher-forced log-probs"
+            )
+        _refuse(bool(args), "positional arguments after attention_mask")
+        _refuse(kwargs.get("key_value_states") is not None, "cross attention")
+        _refuse(getattr(self.config, "attention_output_gate", False), "attention output gate")
+        for name in ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin"):
+            _refuse(kwargs.get(name) is not None, name)
+        kwargs["rotary_pos_emb"] = None
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+
+def rl_bias_dropout_add(training: bool, fused: bool):
+    """Megatron's ``get_bias_dropout_add`` replacement: ``x + residual`` in the model dtype.
+
+    Refuses a bias (would be added in a different place than the rollout adds it) and a
+    non-zero dropout probability.
+    """
+
+    def _bda(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+        x, bias = x_with_bias
+        _refuse(bias is not None, "a bias in the bias-dropout-add (skip_bias_add linear bias)")
+        _refuse(training and prob > 0, f"hidden dropout (p={prob})")
+        _refuse(residual.dtype != x.dtype, "fp32 residual connection")
+        return x + residual
+
+    return _bda

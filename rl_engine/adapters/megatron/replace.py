@@ -1,0 +1,235 @@
+"""In-place replacement of an existing megatron-core ``GPTModel``'s numerics by rl_engine ops."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_engine.adapters.megatron.modules import (
+    RLMLP,
+    RLColumnParallelLinear,
+    RLCoreAttention,
+    RLRMSNorm,
+    RLRowParallelLinear,
+    RLSelfAttention,
+    RopeSettings,
+    UnsupportedNumericsError,
+    rl_bias_dropout_add,
+)
+
+__all__ = ["ReplaceReport", "replace_modules"]
+
+MARK = "_rl_engine_patched"
+
+
+@dataclass
+class ReplaceReport:
+    """What :func:`replace_modules` did.
+
+    Attributes:
+        replaced: qualified names of modules swapped to rl_engine numerics.
+        already: names that were already rl_engine modules (idempotence).
+        not_replaced: ``(name, reason)`` of numerically relevant modules left as they were.
+        left_alone: names deliberately untouched (exact ops: embedding lookup, identity ops).
+    """
+
+    replaced: list[str] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+    not_replaced: list[tuple[str, str]] = field(default_factory=list)
+    left_alone: list[str] = field(default_factory=list)
+
+
+def _infer_rope(model: Any) -> RopeSettings | None:
+    """RoPE settings recovered (and verified bitwise) from the model's ``RotaryEmbedding``."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rot = getattr(model, "rotary_pos_emb", None)
+    if rot is None:
+        return None
+    if type(rot) is not RotaryEmbedding:
+        raise UnsupportedNumericsError(
+            f"replace_modules: rotary embedding {type(rot).__name__} is not supported "
+            "(default RoPE only); pass rope= explicitly"
+        )
+    if rot.seq_len_interpolation_factor is not None:
+        raise UnsupportedNumericsError(
+            "replace_modules: seq_len_interpolation_factor cannot be inferred; pass rope="
+        )
+    inv = rot.inv_freq.detach().float().cpu()
+    dim = 2 * inv.numel()
+    if inv.numel() < 2:
+        raise UnsupportedNumericsError("replace_modules: cannot infer the RoPE base; pass rope=")
+    base = round(float(inv[1].double() ** (-dim / 2.0)))
+    check = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if not torch.equal(check, inv):
+        raise UnsupportedNumericsError(
+            "replace_modules: the model's RoPE frequencies are not plain RoPE with an integer "
+            "base (rope scaling?); pass rope=RopeSettings(...) explicitly"
+        )
+    head_dim = model.config.kv_channels
+    return RopeSettings(
+        theta=float(base),
+        rotary_dim=None if dim == head_dim else dim,
+        is_neox=not rot.rotary_interleaved,
+    )
+
+
+def _swap_class(module: torch.nn.Module, cls: type) -> None:
+    module.__class__ = cls
+
+
+def replace_modules(
+    model: torch.nn.Module,
+    *,
+    rope: RopeSettings | None | str = "infer",
+    strict: bool = True,
+) -> ReplaceReport:
+    """Swap a megatron-core ``GPTModel``'s layers for rl_engine ones, in place.
+
+    Parameters and buffers are kept (the same ``Parameter`` objects: optimizer state and DDP
+    buffers stay valid). Linear layers change class (``ColumnParallelLinear`` ->
+    :class:`RLColumnParallelLinear`, ``RowParallelLinear`` -> :class:`RLRowParallelLinear`,
+    including the output layer), ``SelfAttention`` -> :class:`RLSelfAttention`, ``MLP`` ->
+    :class:`RLMLP`; RMSNorm modules and ``DotProductAttention`` are replaced by new rl_engine
+    modules holding the same weight ``Parameter``; the bias-dropout-add functions become
+    :func:`rl_bias_dropout_add`. Calling it again changes nothing (idempotent).
+
+    Deliberately left alone: the embedding lookup (a row gather, exact), identity ops, and
+    Megatron's ``RotaryEmbedding`` module (still computed by ``GPTModel``, its output is ignored:
+    the core attention applies rl_engine's RoPE from ``rope``).
+
+    Args:
+        model: a ``GPTModel`` (local spec; TE / apex modules are not replaceable).
+        rope: :class:`RopeSettings`; ``"infer"`` recovers plain RoPE from the model and checks
+            the frequencies bitwise; ``None`` for a model without RoPE.
+        strict: raise :class:`UnsupportedNumericsError` listing every numerically relevant
+            module that could not be replaced (otherwise they are only reported).
+
+    Returns:
+        A :class:`ReplaceReport`.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    report = ReplaceReport()
+    if rope == "infer":
+        existing = [m.rope for m in model.modules() if isinstance(m, RLCoreAttention)]
+        rope = existing[0] if existing else _infer_rope(model)
+    cfg = model.config
+    if getattr(cfg, "fp32_residual_connection", False):
+        report.not_replaced.append(("config", "fp32_residual_connection"))
+    if getattr(cfg, "sequence_parallel", False):
+        report.not_replaced.append(("config", "sequence_parallel"))
+    if getattr(cfg, "gated_linear_unit", False) is False:
+        report.not_replaced.append(("config", "non-gated MLP (silu_and_mul needs gate/up)"))
+    elif cfg.activation_func is not torch.nn.functional.silu:
+        report.not_replaced.append(("config", f"activation {cfg.activation_func}"))
+
+    norm_types = (torch.nn.RMSNorm,)
+    named = list(model.named_modules())
+    for name, mod in named:
+        if getattr(mod, MARK, False) or isinstance(
+            mod, (RLRMSNorm, RLCoreAttention, RLColumnParallelLinear, RLRowParallelLinear)
+        ):
+            if isinstance(mod, (RLRMSNorm, RLCoreAttention)) or type(mod) in (
+                RLColumnParallelLinear,
+                RLRowParallelLinear,
+                RLSelfAttention,
+                RLMLP,
+            ):
+                report.already.append(name)
+            continue
+        if type(mod) is ColumnParallelLinear:
+            _swap_class(mod, RLColumnParallelLinear)
+            report.replaced.append(name)
+        elif type(mod) is RowParallelLinear:
+            _swap_class(mod, RLRowParallelLinear)
+            report.replaced.append(name)
+        elif type(mod) is SelfAttention:
+            _swap_class(mod, RLSelfAttention)
+            report.replaced.append(name)
+        elif type(mod) is RLSelfAttention:
+            report.already.append(name)
+        elif type(mod) is MLP:
+            _swap_class(mod, RLMLP)
+            report.replaced.append(name)
+        elif type(mod) is RLMLP:
+            report.already.append(name)
+        elif isinstance(mod, TransformerLayer):
+            for attr in ("self_attn_bda", "mlp_bda"):
+                fn = getattr(mod, attr, None)
+                if fn is not None and fn is not rl_bias_dropout_add:
+                    setattr(mod, attr, rl_bias_dropout_add)
+                    report.replaced.append(f"{name}.{attr}")
+        elif isinstance(mod, IdentityOp) or type(mod).__name__ in (
+            "VocabParallelEmbedding",
+            "LanguageModelEmbedding",
+            "RotaryEmbedding",
+            "Dropout",
+        ):
+            report.left_alone.append(name)
+
+    # Child replacements (new module objects holding the same parameters).
+    for name, mod in named:
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) in norm_types:
+                if child.weight is None:
+                    report.not_replaced.append((full, "RMSNorm without weight"))
+                    continue
+                new = RLRMSNorm.__new__(RLRMSNorm)
+                torch.nn.Module.__init__(new)
+                new.config = cfg
+                new.eps = float(child.eps if child.eps is not None else 1e-6)
+                new.weight = child.weight
+                setattr(mod, child_name, new)
+                report.replaced.append(full)
+            elif type(child) is DotProductAttention:
+                new = RLCoreAttention(
+                    config=cfg,
+                    layer_number=child.layer_number,
+                    attn_mask_type=child.attn_mask_type,
+                    attention_type=child.attention_type,
+                    softmax_scale=_dpa_scale(child),
+                    rope=rope,
+                )
+                setattr(mod, child_name, new)
+                report.replaced.append(full)
+            elif (
+                isinstance(child, torch.nn.LayerNorm)
+                or "Norm" in type(child).__name__
+                and not (isinstance(child, RLRMSNorm))
+            ):
+                report.not_replaced.append((full, f"{type(child).__name__} (not RMSNorm)"))
+            elif type(child).__module__.startswith(("transformer_engine", "apex")) or (
+                type(child).__name__.startswith("TE")
+            ):
+                report.not_replaced.append((full, f"{type(child).__name__} (TE / apex module)"))
+    if strict and report.not_replaced:
+        lines = "; ".join(f"{n}: {r}" for n, r in report.not_replaced)
+        raise UnsupportedNumericsError(f"replace_modules(strict=True): cannot replace {lines}")
+    return report
+
+
+def _dpa_scale(dpa: Any) -> float:
+    """The softmax scale for an rl_engine core attention replacing ``dpa``.
+
+    Megatron's default is ``1 / math.sqrt(head_dim)``; the rollout engine (and Hugging Face) use
+    ``head_dim ** -0.5``, which differs in the last bit for some head dims (32, 96, 128). The
+    default therefore maps to ``head_dim ** -0.5``; an explicitly configured scale is kept.
+    """
+    cfg = dpa.config
+    if getattr(cfg, "apply_query_key_layer_scaling", False):
+        raise UnsupportedNumericsError("apply_query_key_layer_scaling is not supported")
+    head_dim = dpa.hidden_size_per_attention_head
+    scale = float(dpa.softmax_scale)
+    if scale == 1.0 / math.sqrt(head_dim):
+        return head_dim**-0.5
+    return scale

@@ -1,0 +1,190 @@
+"""Load-time check of a vLLM model (strict refusal of unroutable layers) and provenance.
+
+Every module of the loaded model must be either a *routed* layer (its numerics run through an
+rl_engine op) or a *structural* container of a supported architecture (its ``forward`` only wires
+routed layers together: views, splits, no arithmetic). Anything else is listed; in strict mode the
+model is refused with :class:`UnroutableModelError`, in audit mode the list goes to provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import torch
+
+from rl_engine.registry import KernelRegistry, RLEngineError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+_STRUCTURAL_MODULES = (
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.qwen3",
+)
+# The rl_engine ops a routed model runs (resolved at load so provenance is complete).
+ROUTED_OPS = ("det_gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logp")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"models": [], "unrouted_uses": {}}
+
+
+class UnroutableModelError(RLEngineError):
+    """The model has layers the rl_engine vLLM plugin cannot route (strict mode)."""
+
+
+def record_unrouted_use(layer: str, reason: str) -> None:
+    with _lock:
+        key = f"{layer}: {reason}"
+        _state["unrouted_uses"][key] = _state["unrouted_uses"].get(key, 0) + 1
+
+
+def _classify(name: str, module: torch.nn.Module, vllm_config: Any) -> tuple[str, str | None]:
+    """``("routed" | "structural", None)`` or ``("unroutable", reason)``."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    from rl_engine.adapters.vllm import patches
+    from rl_engine.adapters.vllm.attention import RLEngineAttentionImpl
+
+    cls = type(module)
+    if isinstance(module, LinearBase):
+        if type(module.quant_method) is not UnquantizedLinearMethod:
+            return "unroutable", f"linear with {type(module.quant_method).__name__}"
+        return "routed", None
+    if isinstance(module, VocabParallelEmbedding):  # incl. ParallelLMHead
+        if type(module.quant_method) not in (UnquantizedEmbeddingMethod, UnquantizedLinearMethod):
+            return "unroutable", f"embedding with {type(module.quant_method).__name__}"
+        if getattr(module, "bias", None) is not None:
+            return "unroutable", "LM head with bias"
+        return "routed", None
+    if cls is RMSNorm:
+        reason = patches.rms_norm_unroutable(module)
+        return ("unroutable", reason) if reason else ("routed", None)
+    if cls is SiluAndMul:
+        return "routed", None
+    if isinstance(module, RotaryEmbedding):
+        _, reason = patches.rope_scaling(module)
+        return ("unroutable", reason) if reason else ("routed", None)
+    if cls is Attention:
+        if not isinstance(module.impl, RLEngineAttentionImpl):
+            return "unroutable", f"attention backend {type(module.impl).__name__}"
+        return "routed", None
+    if cls is LogitsProcessor:
+        if module.soft_cap is not None:
+            return "unroutable", "logit soft-cap"
+        if module.scale != 1.0:
+            return "unroutable", f"logit scale {module.scale}"
+        if module.logits_as_input:
+            return "unroutable", "logits_as_input"
+        head_dtype = getattr(module, "head_dtype", None)
+        if head_dtype is not None and head_dtype != vllm_config.model_config.dtype:
+            return "unroutable", f"head_dtype {head_dtype} != model dtype"
+        return "routed", None
+    if cls.__module__ in _STRUCTURAL_MODULES or cls in (torch.nn.ModuleList, torch.nn.Identity):
+        return "structural", None
+    if cls.__name__ == "PPMissingLayer":
+        return "structural", None
+    return "unroutable", f"{cls.__module__}.{cls.__qualname__} is not a layer the plugin knows"
+
+
+def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
+    """Classify every module; returns ``{"routed": {type: count}, "unroutable": [...]}``."""
+    routed: dict[str, int] = {}
+    unroutable: list[str] = []
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        unroutable.append(
+            f"<model>: architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    routed_prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(p) for p in routed_prefixes):
+            continue  # inside a routed layer: its forward no longer runs its children
+        kind, reason = _classify(name, module, vllm_config)
+        if kind == "routed":
+            key = type(module).__name__
+            routed[key] = routed.get(key, 0) + 1
+            routed_prefixes.append(name + ".")
+        elif kind == "unroutable":
+            unroutable.append(f"{name or '<root>'}: {reason}")
+    sampler_mode = vllm_config.model_config.logprobs_mode
+    return {"routed": routed, "unroutable": unroutable, "logprobs_mode": sampler_mode}
+
+
+def on_model_loaded(model: torch.nn.Module, vllm_config: Any) -> None:
+    """Run the check (strict: raise), resolve the ops, record and write provenance."""
+    from rl_engine import config
+
+    settings = config.settings()
+    result = check_model(model, vllm_config)
+    if result["unroutable"] and settings.mode == "strict":
+        raise UnroutableModelError(
+            "rl_engine vLLM plugin (strict mode) refuses this model; layers it cannot route:\n  "
+            + "\n  ".join(result["unroutable"])
+        )
+    device = vllm_config.device_config.device
+    device_type = torch.device(device).type if device is not None else "cpu"
+    for op in ROUTED_OPS:
+        KernelRegistry.get_op(op, device=device_type)
+    mc = vllm_config.model_config
+    entry = {
+        "model": str(mc.model),
+        "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
+        "dtype": str(mc.dtype).replace("torch.", ""),
+        "device": device_type,
+        "enforce_eager": bool(mc.enforce_eager),
+        "compilation_mode": str(vllm_config.compilation_config.mode),
+        **result,
+    }
+    with _lock:
+        _state["models"].append(entry)
+    write_provenance()
+
+
+def provenance_record() -> dict[str, Any]:
+    """This process's provenance: registry report, models checked, versions, mode."""
+    import vllm
+
+    import rl_engine
+    from rl_engine import config
+
+    with _lock:
+        models = [dict(m) for m in _state["models"]]
+        unrouted = dict(_state["unrouted_uses"])
+    return {
+        "pid": os.getpid(),
+        "rl_engine_version": getattr(rl_engine, "__version__", "unknown"),
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "mode": config.settings().mode,
+        "models": models,
+        "unrouted_uses": unrouted,
+        "registry": KernelRegistry.report(),
+    }
+
+
+def write_provenance() -> str | None:
+    """Write :func:`provenance_record` as JSON to ``RL_ENGINE_PROVENANCE_DIR`` (if set)."""
+    from rl_engine import config
+
+    folder = config.settings().provenance_dir
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"vllm-{os.getpid()}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(provenance_record(), f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,210 @@
+"""Hugging Face transformers adapter on CPU: real transformers, native providers, tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import trainer_cases as tc  # noqa: E402
+
+from rl_engine import ops  # noqa: E402
+from rl_engine.adapters import hf as ha  # noqa: E402
+from rl_engine.testing.invariance import assert_bitwise  # noqa: E402
+from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+
+CASES = [
+    ("llama", "float32", False),
+    ("qwen2", "bfloat16", True),
+    ("qwen3", "float32", True),
+]
+
+
+def _ids(c):
+    return f"{c[0]}-{c[1]}-tied{int(c[2])}"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {c: make_tiny_model(root / _ids(c), c[0], c[1], c[2], seed=5) for c in CASES}
+
+
+def _load(path, dtype, patch=True):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.eval()
+    if patch:
+        ha.patch_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(ckpts):
+    return {c: _load(p, c[1]) for c, p in ckpts.items()}
+
+
+def _lp(model, temperature=0.7):
+    def fn(ids, mask):
+        with torch.no_grad():
+            return ha.token_logprobs(model, ids, temperature, attention_mask=mask)
+
+    return fn
+
+
+def test_patch_idempotent_and_unpatch(ckpts):
+    model = _load(ckpts[CASES[2]], "float32", patch=False)
+    ids = torch.randint(0, 512, (2, 7))
+    with torch.no_grad():
+        stock = model(ids).logits
+    report = ha.patch_model(model)
+    names = set(report["patched"])
+    assert {"lm_head", "model.norm", "model.layers.0.self_attn", "model.layers.0.mlp"} <= names
+    assert "model.layers.0.self_attn.q_norm" in names and "model.layers.1.mlp.down_proj" in names
+    assert set(report["left_alone"]) == {"model.embed_tokens", "model.rotary_emb"}
+    attn = model.model.layers[0].self_attn
+    assert getattr(attn.forward, "_rl_engine_patched", False)
+    assert attn.forward.__wrapped__.__func__ is type(attn).forward
+    assert model.config._attn_implementation == "rl_engine"
+    again = ha.patch_model(model)
+    assert again["patched"] == [] and set(again["already"]) == names
+    with torch.no_grad():
+        patched = model(ids).logits
+    ha.unpatch_model(model)
+    assert not ha.is_patched(model) and "forward" not in attn.__dict__
+    with torch.no_grad():
+        assert_bitwise(model(ids).logits, stock, "unpatched model == stock")
+    torch.testing.assert_close(patched, stock, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_micro_batch_and_layout_invariance(models, case):
+    """Bitwise equal across micro-batch sizes {1, 2, 5}, packed, right- and left-padded."""
+    model = models[case]
+    seqs = tc.sequences()
+    ref = tc.micro_batched(_lp(model), seqs, 5)
+    for mbs in (1, 2):
+        tc.assert_lists_bitwise(tc.micro_batched(_lp(model), seqs, mbs), ref, f"mbs={mbs}")
+    flat, cu = tc.packed(seqs)
+    ids, mask = tc.left_padded(seqs)
+    with torch.no_grad():
+        lp_packed = ha.token_logprobs(model, flat[None], 0.7, cu_seqlens=cu)[0]
+        lp_left = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
+        # packing signalled by restarting position ids alone (TRL "padding-free" style)
+        pos = torch.cat([torch.arange(s.numel()) for s in seqs])[None]
+        h = model.model(input_ids=flat[None], position_ids=pos, use_cache=False)
+        logits = model.lm_head(h.last_hidden_state[0])
+    tc.assert_lists_bitwise(tc.per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
+    tc.assert_lists_bitwise(tc.per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
+    via_pos = ops.logp(logits[:-1], flat[1:], 0.7)
+    tc.assert_lists_bitwise(tc.per_seq_from_packed(via_pos, cu), ref, "packed via position_ids")
+
+
+def test_logits_forward_equals_token_logprobs(models):
+    """model(ids).logits (patched LM head, model dtype) + logp == token_logprobs bitwise."""
+    model = models[("qwen2", "bfloat16", True)]
+    ids, _ = tc.right_padded(tc.sequences(2)[:2])
+    with torch.no_grad():
+        logits = model(ids).logits
+        fused = ha.token_logprobs(model, ids, 0.7)
+    assert logits.dtype == torch.bfloat16
+    b, t = ids.shape
+    unfused = ops.logp(logits[:, :-1].reshape(b * (t - 1), -1), ids[:, 1:].reshape(-1), 0.7)
+    assert_bitwise(fused.reshape(-1), unfused, "linear_logp vs logits + logp")
+
+
+def test_stock_hf_mismatches(ckpts):
+    """The "before" picture: stock transformers (fp32, this CPU) gives a sequence alone other
+    logits than the same sequence inside a padded batch."""
+    model = _load(ckpts[("llama", "float32", False)], "float32", patch=False)
+    seqs = tc.sequences()
+    ids, mask = tc.right_padded(seqs)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        alone = [model(s[None]).logits[0] for s in seqs]
+    mism = tc.count_mismatches(alone, [full[i, : s.numel()] for i, s in enumerate(seqs)])
+    assert mism > 0, "stock transformers happened to be invariant on this machine"
+
+
+def test_generate_kv_cache_matches_teacher_forcing(models):
+    """Greedy ``generate`` with a KV cache (paged decode path) reports, through ``logp`` on its
+    step logits, the bits of the teacher-forced ``token_logprobs`` of the generated sequences,
+    for several batch sizes and for left-padded prompts."""
+    model = models[("qwen3", "float32", True)]
+    g = torch.Generator().manual_seed(7)
+    prompt_len, new = 6, 4
+    prompts = torch.randint(3, 512, (3, prompt_len), generator=g)
+    masks = {1: torch.ones(1, prompt_len, dtype=torch.long), 3: torch.ones(3, prompt_len).long()}
+    left = torch.ones(3, prompt_len, dtype=torch.long)
+    left[1, :2] = 0
+    left[2, :4] = 0
+    for name, ids, mask in (
+        ("bs1", prompts[:1], masks[1]),
+        ("bs3", prompts, masks[3]),
+        ("left-padded", prompts * left, left),
+    ):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        seq = out.sequences
+        rollout = torch.stack(
+            [ops.logp(step, seq[:, prompt_len + i]) for i, step in enumerate(out.logits)], 1
+        )
+        full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype)], 1)
+        with torch.no_grad():
+            tf = ha.token_logprobs(model, seq, 1.0, attention_mask=full_mask)
+        assert_bitwise(tf[:, prompt_len - 1 :], rollout, f"generate vs teacher forcing ({name})")
+
+
+def test_backward_deterministic(models):
+    model = models[("llama", "float32", False)]
+    seqs = tc.sequences()[1:4]
+    ids, mask = tc.right_padded(seqs)
+    model.train()
+    try:
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            lp = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
+            (-lp.sum()).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for n in grads[0]:
+            assert_bitwise(grads[0][n], grads[1][n], f"grad {n} run-to-run")
+        assert grads[0]["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+
+def test_errors(models, ckpts, tmp_path):
+    model = models[("llama", "float32", False)]
+    ids = torch.randint(0, 512, (2, 6))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ha.token_logprobs(model, ids[0], cu_seqlens=torch.tensor([0, 3, 5]))
+    with pytest.raises(ValueError, match="not both"):
+        ha.token_logprobs(model, ids[:1], cu_seqlens=torch.tensor([0, 6]), attention_mask=ids[:1])
+    with pytest.raises(TypeError, match="int64"):
+        ha.token_logprobs(model, ids.float())
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        ha.token_logprobs(model, ids, attention_mask=torch.ones(2, 5))
+    stock = _load(ckpts[("llama", "float32", False)], "float32", patch=False)
+    with pytest.raises(ha.UnsupportedModelError, match="patch_model"):
+        ha.token_logprobs(stock, ids)
+    gelu = make_tiny_model(tmp_path / "gelu", "llama", hidden_act="gelu")
+    with pytest.raises(ha.UnsupportedModelError, match="hidden_act"):
+        ha.patch_model(_load(gelu, "float32", patch=False))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    )
+    with pytest.raises(ha.UnsupportedModelError, match="model_type"):
+        ha.patch_model(gpt2)
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ha.UnsupportedModelError, match="2-D padding mask"):
+        attn(torch.zeros(1, 4, 128), attention_mask=torch.zeros(1, 1, 4, 4))

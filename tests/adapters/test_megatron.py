@@ -1,0 +1,276 @@
+"""megatron-core adapter on CPU: real megatron-core 0.16.1, native providers, tiny checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+
+import megatron_shim  # noqa: E402  (tests/adapters: CPU shim, documented there)
+import trainer_cases as tc  # noqa: E402
+
+from rl_engine.testing.invariance import assert_bitwise  # noqa: E402
+from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+# (arch, dtype, tied): every architecture, both dtypes, tied and untied embeddings.
+CASES = [
+    ("llama", "float32", False),
+    ("qwen2", "bfloat16", True),
+    ("qwen3", "bfloat16", True),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shim():
+    megatron_shim.install()
+    yield
+    megatron_shim.uninstall()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        c: make_tiny_model(root / f"{c[0]}-{c[1]}-{int(c[2])}", c[0], c[1], c[2], seed=3)
+        for c in CASES + [("qwen3", "float32", False)]
+    }
+
+
+@pytest.fixture(scope="module")
+def models(ckpts):
+    from rl_engine.adapters import megatron as ma
+
+    return {c: ma.from_pretrained(p) for c, p in ckpts.items()}
+
+
+def _lp(model, **kw):
+    from rl_engine.adapters import megatron as ma
+
+    def fn(ids, mask):
+        with torch.no_grad():
+            return ma.token_logprobs(model, ids, 0.7, attention_mask=mask, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-tied{int(c[2])}")
+def test_micro_batch_and_layout_invariance(models, case):
+    """Bitwise equal across micro-batch sizes {1, 2, 5}, packed, right- and left-padded."""
+    from rl_engine.adapters import megatron as ma
+
+    model = models[case]
+    seqs = tc.sequences()
+    ref = tc.micro_batched(_lp(model), seqs, 5)
+    for mbs in (1, 2):
+        tc.assert_lists_bitwise(tc.micro_batched(_lp(model), seqs, mbs), ref, f"mbs={mbs}")
+    flat, cu = tc.packed(seqs)
+    with torch.no_grad():
+        lp_packed = ma.token_logprobs(model, flat, 0.7, cu_seqlens=cu)
+        ids, mask = tc.left_padded(seqs)
+        lp_left = ma.token_logprobs(model, ids, 0.7, attention_mask=mask)
+    tc.assert_lists_bitwise(tc.per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
+    tc.assert_lists_bitwise(tc.per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
+    assert lp_packed.dtype == torch.float32
+    # masked positions are exact zeros
+    assert torch.all(lp_left[1:, 0] == 0)  # rows 1.. are left-padded
+    assert int((lp_packed == 0).sum()) >= len(seqs) - 1
+
+
+def test_matches_hf_adapter_bitwise(models, ckpts):
+    """Megatron adapter == HF adapter, bitwise, for every case (same checkpoint)."""
+    from rl_engine.adapters import hf as ha
+    from rl_engine.adapters import megatron as ma
+
+    seqs = tc.sequences(1)
+    ids, mask = tc.right_padded(seqs)
+    for case, path in ckpts.items():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case[1]))
+        ha.patch_model(hf)
+        with torch.no_grad():
+            a = ma.token_logprobs(models[case], ids, 1.0, attention_mask=mask)
+            b = ha.token_logprobs(hf, ids, 1.0, attention_mask=mask)
+        assert_bitwise(a, b, f"megatron vs hf {case}")
+
+
+def test_logits_forward_equals_linear_logp(models):
+    """GPTModel.forward's logits (rl_engine output layer) + logp == token_logprobs (fused)."""
+    from rl_engine import ops
+    from rl_engine.adapters import megatron as ma
+
+    model = models[("qwen2", "bfloat16", True)]
+    ids, _ = tc.right_padded(tc.sequences(2)[:2])
+    with torch.no_grad():
+        logits = model(ids, None, None)  # [B, T, V] in the model dtype
+        fused = ma.token_logprobs(model, ids, 0.7)
+    assert logits.dtype == torch.bfloat16
+    b, t = ids.shape
+    unfused = ops.logp(logits[:, :-1].reshape(b * (t - 1), -1), ids[:, 1:].reshape(-1), 0.7)
+    assert_bitwise(fused.reshape(-1), unfused, "linear_logp vs logits + logp")
+
+
+def test_accuracy_vs_stock_hf(models, ckpts):
+    """Close to the stock transformers forward (fp32): the adapter computes the same model."""
+    case = ("qwen3", "float32", False)
+    from rl_engine.adapters import megatron as ma
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts[case], dtype=torch.float32)
+    ids, _ = tc.right_padded(tc.sequences(3)[:1])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits.double(), -1)[:, :-1]
+        ref = ref.gather(-1, ids[:, 1:, None])[..., 0]
+        lp = ma.token_logprobs(models[case], ids)
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=2e-5)
+
+
+def _stock_model(path, dtype):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rl_engine.adapters.megatron.loader import (
+        _read_config,
+        _tensors,
+        hf_config_to_megatron,
+        hf_to_megatron_state,
+    )
+
+    cfg = _read_config(path)
+    mcfg = hf_config_to_megatron(cfg, dtype)
+    model = GPTModel(
+        mcfg,
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.qk_layernorm),
+        vocab_size=cfg["vocab_size"],
+        max_sequence_length=1024,
+        share_embeddings_and_output_weights=bool(cfg["tie_word_embeddings"]),
+        position_embedding_type="rope",
+        rotary_base=int(cfg["rope_parameters"]["rope_theta"]),
+    ).to(dtype)
+    state = hf_to_megatron_state(dict(_tensors(path)), cfg, bool(cfg["tie_word_embeddings"]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    return model.eval()
+
+
+def test_stock_megatron_mismatches(ckpts):
+    """The "before" picture: stock Megatron logits of a sequence alone differ from the same
+    sequence inside a padded batch (fp32 on this CPU)."""
+    model = _stock_model(ckpts[("llama", "float32", False)], torch.float32)
+    seqs = tc.sequences()
+    ids, _ = tc.right_padded(seqs)
+    with torch.no_grad():
+        full = model(ids, None, None)
+        alone = [model(s[None], None, None)[0] for s in seqs]
+    mism = tc.count_mismatches(alone, [full[i, : s.numel()] for i, s in enumerate(seqs)])
+    assert mism > 0, "stock megatron-core happened to be invariant on this machine"
+
+
+def test_replace_modules(models, ckpts):
+    """replace_modules on a stock GPTModel: keeps parameters, equals the spec model bitwise,
+    idempotent, reports what it left alone."""
+    from rl_engine.adapters import megatron as ma
+
+    case = ("qwen3", "float32", False)
+    model = _stock_model(ckpts[case], torch.float32)
+    params = {n: p for n, p in model.named_parameters()}
+    report = ma.replace_modules(model)
+    assert report.replaced and not report.not_replaced
+    assert "embedding" in report.left_alone and "rotary_pos_emb" in report.left_alone
+    for n, p in model.named_parameters():
+        assert params[n] is p, f"{n} is a new Parameter"
+    seqs = tc.sequences()
+    ref = tc.micro_batched(_lp(models[case]), seqs, 5)
+    tc.assert_lists_bitwise(tc.micro_batched(_lp(model), seqs, 2), ref, "replaced vs spec model")
+    again = ma.replace_modules(model)
+    assert again.replaced == [] and again.already
+
+
+def test_replace_modules_strict_refuses_layernorm(ckpts):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rl_engine.adapters import megatron as ma
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        normalization="LayerNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+    )
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=32)
+    with pytest.raises(ma.UnsupportedNumericsError, match="LayerNorm"):
+        ma.replace_modules(model, rope=None)
+    report = ma.replace_modules(model, rope=None, strict=False)
+    assert any("LayerNorm" in r for _, r in report.not_replaced)
+
+
+def test_backward_deterministic(models):
+    """Gradients are bitwise equal run to run; the forward ignores extra right padding.
+
+    Weight gradients sum over rows, so they depend on the batch layout (Megatron's layers see
+    rows in [s, b] order, the LM head in [b, s] order); they are not claimed invariant to
+    padding at the model level, only deterministic.
+    """
+    from rl_engine.adapters import megatron as ma
+
+    model = models[("qwen2", "bfloat16", True)]
+    model.train()
+    seqs = tc.sequences()[1:4]
+    ids, mask = tc.right_padded(seqs)
+    try:
+        grads, lps = [], []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            lp = ma.token_logprobs(model, ids, 0.7, attention_mask=mask)
+            (-lp.sum()).backward()
+            lps.append(lp.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for n in grads[0]:
+            assert_bitwise(grads[0][n], grads[1][n], f"grad {n} run-to-run")
+        assert grads[0]["decoder.layers.0.self_attention.linear_qkv.weight"].abs().sum() > 0
+        pad_ids = torch.cat([ids, torch.zeros(ids.shape[0], 3, dtype=ids.dtype)], dim=1)
+        pad_mask = torch.cat([mask, torch.zeros(ids.shape[0], 3, dtype=mask.dtype)], dim=1)
+        with torch.no_grad():
+            lp_pad = ma.token_logprobs(model, pad_ids, 0.7, attention_mask=pad_mask)
+        assert_bitwise(lp_pad[:, : ids.shape[1] - 1], lps[0], "forward with extra right padding")
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+
+def test_errors(models):
+    from rl_engine.adapters import megatron as ma
+
+    model = models[("llama", "float32", False)]
+    ids = torch.randint(0, 512, (2, 6))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ma.token_logprobs(model, ids[0], cu_seqlens=torch.tensor([0, 3, 5]))
+    with pytest.raises(ValueError, match="not both"):
+        ma.token_logprobs(
+            model, ids[:1], cu_seqlens=torch.tensor([0, 6]), attention_mask=torch.ones(1, 6)
+        )
+    with pytest.raises(TypeError, match="int64"):
+        ma.token_logprobs(model, ids.float())
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        ma.token_logprobs(model, ids, attention_mask=torch.ones(2, 5))
+    with pytest.raises(TypeError, match="GPTModel"):
+        ma.token_logprobs(torch.nn.Linear(2, 2), ids)
+    with pytest.raises(ma.UnsupportedNumericsError, match="causal"):
+        h = torch.zeros(6, 2, 4, 32)
+        bad = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
+        model.decoder.layers[0].self_attention.core_attention(h, h[:, :, :2], h[:, :, :2], bad)
+
+
+def test_unsupported_config_refused(tmp_path):
+    from rl_engine.adapters import megatron as ma
+
+    path = make_tiny_model(tmp_path / "m", "llama", hidden_act="gelu")
+    with pytest.raises(ma.UnsupportedNumericsError, match="hidden_act"):
+        ma.from_pretrained(path)
