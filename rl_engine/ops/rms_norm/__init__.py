@@ -189,6 +189,12 @@ KernelRegistry.register_provider(
 )
 
 
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.rms_norm import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
+
 def self_test(device: str) -> None:
     """Bitwise row invariance of forward and dX, fused == unfused (used by ``rl-engine check``)."""
     from rl_engine.testing.invariance import assert_bitwise, check_row_invariance

@@ -1,0 +1,137 @@
+"""Benchmark of ``rope`` (Triton provider) against stock torch and the copy bandwidth.
+
+Usage: ``python benchmarks/bench_rope.py [--out DIR] [--quick]``.
+
+Writes ``DIR/rope.json`` and ``DIR/rope.png``. bf16 q and k of the shared attention shapes
+(heads x head_dim), Llama-3 scaling, per token count: the ``triton`` provider (tables computed
+inside the kernel) vs the ``stock`` provider (torch cos/sin tables + rotation) and vs the
+``native`` reference (same bits as triton). ``bw_frac`` = (read x + write y + positions) / time /
+measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from shapes import ATTENTION_HEADS  # noqa: E402
+
+from rl_engine.ops.rope import reference as rope_ref  # noqa: E402
+from rl_engine.ops.rope import stock as rope_stock  # noqa: E402
+from rl_engine.ops.rope import triton as rope_triton  # noqa: E402
+
+TOKENS = (1, 64, 1024, 4096, 16384)
+THETA = 500000.0
+SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def run(args, copy_tb_s: float) -> list[dict]:
+    rows = []
+    heads = sorted(
+        {(q, d) for q, _, d in ATTENTION_HEADS} | {(k, d) for _, k, d in ATTENTION_HEADS}
+    )
+    for t in (1, 1024, 16384) if args.quick else TOKENS:
+        for nh, hd in heads:
+            rows.append(_case(args, copy_tb_s, t, nh, hd))
+    return rows
+
+
+def _case(args, copy_tb_s: float, t: int, nh: int, hd: int) -> dict:
+    x = torch.randn(t, nh, hd, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 131072, (t,), device="cuda")
+    args_ = (pos, THETA, hd, True, SCALING)
+    y = rope_triton.rope(x, *args_)
+    same = torch.equal(y, rope_ref.rope(x, *args_))
+    tm = {
+        "triton": common.bench(lambda: rope_triton.rope(x, *args_), quick=args.quick),
+        "stock": common.bench(lambda: rope_stock.rope(x, *args_), quick=args.quick),
+        "native": common.bench(lambda: rope_ref.rope(x, *args_), quick=args.quick),
+    }
+    nbytes = 2 * x.numel() * x.element_size() + pos.numel() * 8
+    r = {
+        "tokens": t,
+        "heads": nh,
+        "head_dim": hd,
+        "dtype": "bf16",
+        **{f"{k}_us": v for k, v in tm.items()},
+        "bw_frac": nbytes / (tm["triton"] * 1e-6) / 1e12 / copy_tb_s,
+        "ratio_vs_stock": tm["stock"] / tm["triton"],
+        "ratio_vs_native": tm["native"] / tm["triton"],
+        "bitwise_equal_native": same,
+    }
+    print(
+        f"rope T={t:6d} heads={nh:3d}x{hd}  triton {tm['triton']:8.1f} us "
+        f"({r['bw_frac']:.2f} copy, {r['ratio_vs_stock']:.2f}x stock, "
+        f"{r['ratio_vs_native']:.1f}x native, == native: {same})",
+        flush=True,
+    )
+    return r
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    if not common.have_matplotlib():
+        return
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 1, figsize=(6, 4.5))
+    for nh, hd in sorted({(r["heads"], r["head_dim"]) for r in rows}):
+        rs = sorted(
+            (r for r in rows if (r["heads"], r["head_dim"]) == (nh, hd)), key=lambda r: r["tokens"]
+        )
+        ax.plot([r["tokens"] for r in rs], [r["bw_frac"] for r in rs], "o-", label=f"{nh}x{hd}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("fraction of measured copy bandwidth")
+    ax.set_title("rope triton bf16 (llama3 scaling)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("bench_rope: no CUDA device; nothing to measure")
+        return
+    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    rows = run(args, limits["copy_tb_s"])
+    big = [r for r in rows if r["tokens"] >= 4096]
+    summary = {
+        "bw_frac_large": common.geomean([r["bw_frac"] for r in big]),
+        "geomean_vs_stock": common.geomean([r["ratio_vs_stock"] for r in rows]),
+        "geomean_vs_native": common.geomean([r["ratio_vs_native"] for r in rows]),
+        "all_bitwise_equal_native": all(r["bitwise_equal_native"] for r in rows),
+    }
+    common.write_json(
+        args.out,
+        "rope",
+        {
+            "provider": "triton",
+            "baseline": "rl_engine rope stock provider (torch cos/sin + rotation)",
+            "ratio_definition": "baseline_us / triton_us (higher is better)",
+            "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
+            "limits": limits,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    plot(rows, args.out / "rope.png")
+    print("rope summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()

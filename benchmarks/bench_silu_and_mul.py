@@ -1,0 +1,125 @@
+"""Benchmark of ``silu_and_mul`` (Triton provider) against stock torch and the copy bandwidth.
+
+Usage: ``python benchmarks/bench_silu_and_mul.py [--out DIR] [--quick]``.
+
+Writes ``DIR/silu_and_mul.json`` and ``DIR/silu_and_mul.png``. bf16, per (rows, D) with D from
+the shared intermediate sizes: forward (read 2D, write D per row) and backward (read 2D + D,
+write 2D) of the ``triton`` provider vs stock ``F.silu(a) * b`` and its autograd. ``bw_frac`` =
+bytes moved / time / measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from shapes import INTERMEDIATE_SIZES  # noqa: E402
+
+from rl_engine.ops.silu_and_mul import triton as silu_triton  # noqa: E402
+
+ROWS = (1, 64, 1024, 4096, 16384)
+
+
+def _stock(x):
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def _stock_bwd(x, g):
+    xx = x.detach().requires_grad_(True)
+    return torch.autograd.grad(_stock(xx), xx, g)
+
+
+def run(args, copy_tb_s: float) -> list[dict]:
+    rows = []
+    for m in (1, 1024, 16384) if args.quick else ROWS:
+        for d in INTERMEDIATE_SIZES:
+            rows.append(_case(args, copy_tb_s, m, d))
+    return rows
+
+
+def _case(args, copy_tb_s: float, m: int, d: int) -> dict:
+    x = torch.randn(m, 2 * d, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    e = x.element_size()
+    t = {
+        "fwd": common.bench(lambda: silu_triton.silu_and_mul(x), quick=args.quick),
+        "bwd": common.bench(lambda: silu_triton.silu_and_mul_backward(g, x), quick=args.quick),
+        "stock_fwd": common.bench(lambda: _stock(x), quick=args.quick),
+        "stock_bwd": common.bench(lambda: _stock_bwd(x, g), quick=args.quick),
+    }
+    nbytes = {"fwd": 3 * m * d * e, "bwd": 5 * m * d * e}
+    r = {"m": m, "d": d, "dtype": "bf16", **{f"{k}_us": v for k, v in t.items()}}
+    for k in ("fwd", "bwd"):
+        r[f"{k}_bw_frac"] = nbytes[k] / (t[k] * 1e-6) / 1e12 / copy_tb_s
+        r[f"{k}_ratio_vs_stock"] = t[f"stock_{k}"] / t[k]
+    print(
+        f"silu_and_mul M={m:6d} D={d:5d}  fwd {t['fwd']:8.1f} us "
+        f"({r['fwd_bw_frac']:.2f} copy, {r['fwd_ratio_vs_stock']:.2f}x stock)  "
+        f"bwd {t['bwd']:8.1f} us ({r['bwd_bw_frac']:.2f} copy, "
+        f"{r['bwd_ratio_vs_stock']:.2f}x stock)",
+        flush=True,
+    )
+    return r
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    if not common.have_matplotlib():
+        return
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, k in zip(axes, ("fwd", "bwd")):
+        for d in sorted({r["d"] for r in rows}):
+            rs = sorted((r for r in rows if r["d"] == d), key=lambda r: r["m"])
+            ax.plot([r["m"] for r in rs], [r[f"{k}_bw_frac"] for r in rs], "o-", label=f"D={d}")
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("rows")
+        ax.set_ylabel("fraction of measured copy bandwidth")
+        ax.set_title(f"silu_and_mul triton bf16: {k}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("bench_silu_and_mul: no CUDA device; nothing to measure")
+        return
+    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    rows = run(args, limits["copy_tb_s"])
+    big = [r for r in rows if r["m"] >= 4096]
+    summary = {
+        "fwd_bw_frac_large_rows": common.geomean([r["fwd_bw_frac"] for r in big]),
+        "bwd_bw_frac_large_rows": common.geomean([r["bwd_bw_frac"] for r in big]),
+        "geomean_fwd_vs_stock": common.geomean([r["fwd_ratio_vs_stock"] for r in rows]),
+        "geomean_bwd_vs_stock": common.geomean([r["bwd_ratio_vs_stock"] for r in rows]),
+    }
+    common.write_json(
+        args.out,
+        "silu_and_mul",
+        {
+            "provider": "triton",
+            "baseline": "F.silu(x[..., :D]) * x[..., D:] (+ autograd for backward)",
+            "ratio_definition": "stock_us / triton_us (higher is better)",
+            "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
+            "limits": limits,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    plot(rows, args.out / "silu_and_mul.png")
+    print("silu_and_mul summary: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()

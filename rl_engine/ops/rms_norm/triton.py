@@ -1,0 +1,449 @@
+"""``triton`` provider of ``rms_norm``: batch-invariant RMSNorm (+ fused residual) in Triton.
+
+Numerics (family ``rms_norm/triton``). Rows are the flattened leading dims of ``x`` [..., H]. A
+program loads ``ROWS`` whole rows (``ROWS`` and the tile shape come from :func:`get_config`,
+which depends on H only, never on the number of rows) and, per row::
+
+    r    = x                                   # or (x.float() + residual.float()).to(x.dtype),
+                                               #    which is torch's ``x + residual`` bit for bit
+    x32  = r.float()
+    rstd = 1 / sqrt_rn(tl.sum(x32 * x32) / H + eps)   # one fixed reduction tree per H
+    y    = ((x32 * rstd) * weight.float()).to(x.dtype)
+
+Every row of a tile is reduced by the same tree (it depends on the tile shape, i.e. on H), rows
+beyond the end are masked and never mix with real rows: a row's output depends on that row,
+``weight``, ``eps`` and H only (row invariant). The fused op computes ``r`` in registers and
+stores it; ``rms_norm(x + residual)`` reads the same bits back, so fused == unfused bitwise.
+
+Backward: ``dx = ((g - n * (tl.sum(g * n) / H)) * rstd).to(r.dtype)`` with ``n = x32 * rstd``,
+``g = grad.float() * weight.float()`` (row invariant, the same tree as the forward). Weight
+gradient (fp32): rows in chunks of ``wgrad_chunk`` rows (fixed per H, see the table); inside a
+chunk, groups of ``wgrad_rows`` consecutive rows are summed by a fixed tree and the group sums are
+added in row order into a fresh fp32 partial; the chunk partials are then added in chunk (row)
+order by a second kernel. No count of SMs or of rows enters: deterministic, and appending zero
+rows only adds exact zeros (zero-padding invariant).
+
+Not promised: identity with the ``native`` family (its row sum is a different tree), across GPU
+models or across Triton versions. On the CPU the kernels run in the Triton interpreter
+(``TRITON_INTERPRET=1``): a test vehicle whose bits are not the GPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_engine import config as _rl_config
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.rms_norm.reference import _check
+from rl_engine.registry import Provider
+
+try:  # Triton is optional: without it the provider reports why it cannot run.
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = ["PROVIDER", "RmsNormConfig", "get_config", "rms_norm", "rms_norm_dx", "rms_norm_wgrad"]
+
+_INT32_MAX = 2**31 - 1
+MAX_HIDDEN = 65536  # one row lives in registers; larger rows raise (no silent fallback)
+_COMBINE_BLOCK = 256  # columns per program of the partial-combining kernel (no effect on bits)
+_COMBINE_UNROLL = 16  # partials loaded per step of that kernel (no effect on bits)
+
+
+@dataclass(frozen=True)
+class RmsNormConfig:
+    """Launch configuration; a function of the hidden size H only (part of the numerics).
+
+    Attributes:
+        block_h: columns per tile (next power of two >= H).
+        rows: rows per program of the forward and dX kernels.
+        num_warps: warps per program of the forward and dX kernels.
+        wgrad_rows: rows summed together (one tree) per step of the weight-gradient kernel.
+        wgrad_chunk: rows per weight-gradient partial (a multiple of ``wgrad_rows``).
+        wgrad_warps: warps per program of the weight-gradient kernel.
+    """
+
+    block_h: int
+    rows: int
+    num_warps: int
+    wgrad_rows: int
+    wgrad_chunk: int
+    wgrad_warps: int
+
+
+def get_config(h: int) -> RmsNormConfig:
+    """The checked-in launch rule for hidden size ``h`` (never depends on the number of rows).
+
+    Tiles hold about 4096 elements (16 per thread for the big rows), small rows are packed
+    several per program; weight-gradient partials cover about 2^18 elements (a few hundred
+    partials for real training shapes, so the ordered combination stays cheap).
+    """
+    if h <= 0 or h > MAX_HIDDEN:
+        raise ValueError(f"rms_norm[triton]: hidden size {h} is not in [1, {MAX_HIDDEN}]")
+    block_h = (
+        max(16, triton.next_power_of_2(h)) if triton is not None else 1 << (h - 1).bit_length()
+    )
+    rows = max(1, 4096 // block_h)
+    num_warps = max(1, min(16, rows * block_h // 512))
+    wgrad_rows = max(1, 2048 // block_h)
+    wgrad_chunk = max(wgrad_rows, (1 << 18) // block_h)
+    wgrad_warps = max(1, min(16, wgrad_rows * block_h // 512))
+    return RmsNormConfig(block_h, rows, num_warps, wgrad_rows, wgrad_chunk, wgrad_warps)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        y_ptr,
+        s_ptr,
+        M,
+        stride_x,
+        stride_res,
+        stride_y,
+        stride_s,
+        eps,
+        H: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        ROWS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = (rows[:, None] < M) & (cols[None, :] < H)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        x32 = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            res = tl.load(
+                res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0
+            )
+            # torch's x + residual: fp32 add, one rounding to x.dtype
+            s = (x32 + res.to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+            x32 = s.to(tl.float32)
+        var = tl.div_rn(tl.sum(x32 * x32, axis=1), H * 1.0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        y = (x32 * rstd[:, None]) * w[None, :]
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    @triton.jit
+    def _rms_norm_bwd_dx_kernel(
+        g_ptr,
+        r_ptr,
+        w_ptr,
+        dx_ptr,
+        M,
+        stride_g,
+        stride_r,
+        stride_dx,
+        eps,
+        H: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        ROWS: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = (rows[:, None] < M) & (cols[None, :] < H)
+        x32 = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        dy = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        var = tl.div_rn(tl.sum(x32 * x32, axis=1), H * 1.0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        n = x32 * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.div_rn(tl.sum(g * n, axis=1), H * 1.0)
+        dx = (g - n * c[:, None]) * rstd[:, None]
+        tl.store(
+            dx_ptr + rows[:, None] * stride_dx + cols[None, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    @triton.jit
+    def _rms_norm_bwd_wgrad_kernel(
+        g_ptr,
+        r_ptr,
+        part_ptr,
+        M,
+        stride_g,
+        stride_r,
+        eps,
+        H: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        ROWS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        # part[chunk, :] = sum over the chunk's row groups, in row order, of
+        #   tl.sum over the group's ROWS rows of grad * (r * rstd)
+        pid = tl.program_id(0)
+        if INT64:
+            first = pid.to(tl.int64) * CHUNK
+        else:
+            first = pid * CHUNK
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        # groups past the last row would add exact zeros: skip them
+        for i in range(0, tl.minimum(M - first, CHUNK), ROWS):
+            rows = first + i + tl.arange(0, ROWS)
+            valid = rows < M
+            mask = valid[:, None] & cmask[None, :]
+            x32 = tl.load(
+                r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
+            dy = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            var = tl.div_rn(tl.sum(x32 * x32, axis=1), H * 1.0)
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+            p = tl.where(mask, dy * (x32 * rstd[:, None]), 0.0)
+            acc = acc + tl.sum(p, axis=0)
+        tl.store(part_ptr + pid.to(tl.int64) * H + cols, acc, mask=cmask)
+
+    @triton.jit
+    def _rms_norm_wgrad_combine_kernel(
+        part_ptr,
+        out_ptr,
+        n_parts,
+        H: tl.constexpr,
+        BLOCK: tl.constexpr,
+        UNROLL: tl.constexpr,
+    ):
+        # out = ((0 + part[0]) + part[1]) + ...: chunk partials added in row order.
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        ptrs = part_ptr + cols
+        for c0 in range(0, n_parts, UNROLL):
+            for u in tl.static_range(UNROLL):
+                live = (tl.zeros((BLOCK,), dtype=tl.int32) + (c0 + u)) < n_parts
+                p = tl.load(ptrs + u * H, mask=cmask & live, other=0.0)
+                acc = acc + p
+            ptrs += UNROLL * H
+        tl.store(out_ptr + cols, acc, mask=cmask)
+
+
+_interpreted: dict[str, Any] = {}
+
+
+def _kernel(name: str, device: torch.device) -> Any:
+    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
+    kern = globals()[name]
+    if device.type != "cpu":
+        return kern
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kern, InterpretedFunction):
+        return kern
+    if name not in _interpreted:
+        _interpreted[name] = InterpretedFunction(kern.fn)
+    return _interpreted[name]
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"rms_norm[triton]: triton is not importable ({_IMPORT_ERROR})")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu":
+        if not _rl_config.settings().triton_interpret:
+            raise RuntimeError(
+                "rms_norm[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
+                "to run them in the interpreter on the CPU"
+            )
+        return
+    raise RuntimeError(f"rms_norm[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+
+
+def _guard(t: torch.Tensor) -> Any:
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[M, H] view (or copy) with a unit column stride; the bits never depend on the layout."""
+    t2 = t.reshape(-1, h)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _int64(m: int, *strides: int) -> bool:
+    return any(m * max(s, 1) >= _INT32_MAX for s in strides)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant RMSNorm on the GPU (Triton), optionally with the residual add fused.
+
+    Args:
+        x: [..., H] float32 / bfloat16 / float16, any strides (H <= 65536).
+        weight: [H] float32 / bfloat16 / float16.
+        eps: added to the mean square.
+        residual: optional, same shape and dtype as ``x``.
+
+    Returns:
+        ``y`` [..., H] in ``x.dtype``; with ``residual``, ``(y, x + residual)``.
+    """
+    _check(x, weight, eps, residual)
+    _check_device(x)
+    h = x.shape[-1]
+    cfg = get_config(h)
+    x2 = _rows(x, h)
+    m = x2.shape[0]
+    y = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    res2 = _rows(residual, h) if residual is not None else x2
+    s = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else y
+    if m > 0:
+        with _guard(x):
+            _kernel("_rms_norm_fwd_kernel", x.device)[(triton.cdiv(m, cfg.rows),)](
+                x2,
+                res2,
+                weight.contiguous(),
+                y,
+                s,
+                m,
+                x2.stride(0),
+                res2.stride(0),
+                y.stride(0),
+                s.stride(0),
+                float(eps),
+                H=h,
+                BLOCK_H=cfg.block_h,
+                ROWS=cfg.rows,
+                HAS_RESIDUAL=residual is not None,
+                INT64=_int64(m + cfg.rows, x2.stride(0), res2.stride(0), h),
+                num_warps=cfg.num_warps,
+            )
+    y = y.reshape(x.shape)
+    if residual is None:
+        return y
+    return y, s.reshape(x.shape)
+
+
+def rms_norm_dx(
+    grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Gradient w.r.t. the normalised input ``r`` [..., H] (row invariant), in ``r.dtype``."""
+    _check_device(r)
+    h = r.shape[-1]
+    cfg = get_config(h)
+    r2 = _rows(r, h)
+    g2 = _rows(grad.to(r.dtype), h)
+    m = r2.shape[0]
+    dx = torch.empty((m, h), dtype=r.dtype, device=r.device)
+    if m > 0:
+        with _guard(r):
+            _kernel("_rms_norm_bwd_dx_kernel", r.device)[(triton.cdiv(m, cfg.rows),)](
+                g2,
+                r2,
+                weight.contiguous(),
+                dx,
+                m,
+                g2.stride(0),
+                r2.stride(0),
+                dx.stride(0),
+                float(eps),
+                H=h,
+                BLOCK_H=cfg.block_h,
+                ROWS=cfg.rows,
+                INT64=_int64(m + cfg.rows, g2.stride(0), r2.stride(0), h),
+                num_warps=cfg.num_warps,
+            )
+    return dx.reshape(r.shape)
+
+
+def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [H] weight gradient ``sum_rows(grad * r * rstd)`` in fixed row chunks (see module)."""
+    _check_device(r)
+    h = r.shape[-1]
+    cfg = get_config(h)
+    r2 = _rows(r, h)
+    g2 = _rows(grad.to(r.dtype), h)
+    m = r2.shape[0]
+    out = torch.zeros((h,), dtype=torch.float32, device=r.device)
+    if m == 0:
+        return out
+    n_parts = triton.cdiv(m, cfg.wgrad_chunk)
+    parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
+    with _guard(r):
+        _kernel("_rms_norm_bwd_wgrad_kernel", r.device)[(n_parts,)](
+            g2,
+            r2,
+            parts,
+            m,
+            g2.stride(0),
+            r2.stride(0),
+            float(eps),
+            H=h,
+            BLOCK_H=cfg.block_h,
+            ROWS=cfg.wgrad_rows,
+            CHUNK=cfg.wgrad_chunk,
+            INT64=_int64(m + cfg.wgrad_chunk, g2.stride(0), r2.stride(0), h),
+            num_warps=cfg.wgrad_warps,
+        )
+        block = min(_COMBINE_BLOCK, cfg.block_h)
+        _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(triton.cdiv(h, block),)](
+            parts, out, n_parts, H=h, BLOCK=block, UNROLL=_COMBINE_UNROLL, num_warps=4
+        )
+    return out
+
+
+def _available(device: str, *, triton_interpret: bool) -> str | None:
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR})"
+    if device == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is available"
+    if device == "cpu":
+        if triton_interpret:
+            return None
+        return (
+            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
+            "interpreter"
+        )
+    return f"device {device!r} is not supported"
+
+
+PROVIDER = Provider(
+    op="rms_norm",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics="rms_norm/triton",
+    fn=rms_norm,
+    version="1",
+    available=_available,
+    extras={"dx": rms_norm_dx, "wgrad": rms_norm_wgrad},
+)

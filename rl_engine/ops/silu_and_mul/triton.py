@@ -1,0 +1,281 @@
+"""``triton`` provider of ``silu_and_mul``: the SwiGLU activation as one memory-bound kernel.
+
+Numerics (family ``silu_and_mul/triton-f32``). With ``a = x[..., :D]``, ``b = x[..., D:]`` in
+fp32 (one load, one widening)::
+
+    e    = exp(-a)                    # Triton's fp32 exp
+    silu = a / (1 + e)
+    y    = (silu * b).to(x.dtype)     # one rounding
+
+Backward (fp32, one rounding per output): ``s = 1 / (1 + e)``,
+``da = ((grad * b) * (s * (1 + a * (1 - s)))).to(x.dtype)``, ``db = (grad * silu).to(x.dtype)``.
+
+Each output element is computed from its own inputs by the same instruction sequence whatever
+the tile it sits in (there is no reduction), so the op is row invariant for any launch shape;
+the tile shape still depends on D only. Not promised: identity with the ``native`` family (that
+one evaluates ``exp`` in float64), across GPU models or Triton versions. On the CPU the kernels
+run in the Triton interpreter (``TRITON_INTERPRET=1``), a test vehicle whose bits are not the
+GPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_engine import config as _rl_config
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.silu_and_mul.reference import _check
+from rl_engine.registry import Provider
+
+try:  # Triton is optional: without it the provider reports why it cannot run.
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = ["PROVIDER", "SiluAndMulConfig", "get_config", "silu_and_mul", "silu_and_mul_backward"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SiluAndMulConfig:
+    """Launch configuration; a function of D (half the last dim) only.
+
+    Attributes:
+        block_d: columns of the output per program (power of two).
+        rows: rows per program.
+        num_warps: warps per program.
+    """
+
+    block_d: int
+    rows: int
+    num_warps: int
+
+
+def get_config(d: int) -> SiluAndMulConfig:
+    """Tiles of about 2048 outputs (8 per thread with 8 warps); small D packs several rows."""
+    if d <= 0:
+        raise ValueError(f"silu_and_mul[triton]: D must be > 0, got {d}")
+    block_d = min(2048, max(16, 1 << (d - 1).bit_length()))
+    rows = max(1, 2048 // block_d)
+    return SiluAndMulConfig(block_d, rows, 8 if rows * block_d >= 2048 else 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_and_mul_fwd_kernel(
+        x_ptr,
+        y_ptr,
+        M,
+        stride_x,
+        stride_y,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < M) & (cols[None, :] < D)
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(xp + D, mask=mask, other=0.0).to(tl.float32)
+        silu = a / (1.0 + tl.exp(-a))
+        y = silu * b
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    @triton.jit
+    def _silu_and_mul_bwd_kernel(
+        g_ptr,
+        x_ptr,
+        dx_ptr,
+        M,
+        stride_g,
+        stride_x,
+        stride_dx,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < M) & (cols[None, :] < D)
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(xp + D, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        den = 1.0 + tl.exp(-a)
+        s = 1.0 / den
+        silu = a / den
+        da = (g * b) * (s * (1.0 + a * (1.0 - s)))
+        db = g * silu
+        dp = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
+        tl.store(dp, da.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp + D, db.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+_interpreted: dict[str, Any] = {}
+
+
+def _kernel(name: str, device: torch.device) -> Any:
+    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
+    kern = globals()[name]
+    if device.type != "cpu":
+        return kern
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kern, InterpretedFunction):
+        return kern
+    if name not in _interpreted:
+        _interpreted[name] = InterpretedFunction(kern.fn)
+    return _interpreted[name]
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"silu_and_mul[triton]: triton is not importable ({_IMPORT_ERROR})")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu":
+        if not _rl_config.settings().triton_interpret:
+            raise RuntimeError(
+                "silu_and_mul[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
+                "to run them in the interpreter on the CPU"
+            )
+        return
+    raise RuntimeError(
+        f"silu_and_mul[triton]: tensors on {t.device} are not supported (cuda or cpu)"
+    )
+
+
+def _guard(t: torch.Tensor) -> Any:
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[M, n] view (or copy) with a unit column stride; the bits never depend on the layout."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _int64(m: int, *strides: int) -> bool:
+    return any(m * max(s, 1) >= _INT32_MAX for s in strides)
+
+
+def _grid(m: int, d: int, cfg: SiluAndMulConfig) -> tuple[int, int]:
+    return (triton.cdiv(m, cfg.rows), triton.cdiv(d, cfg.block_d))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant ``silu(x[..., :D]) * x[..., D:]`` on the GPU (Triton).
+
+    Args:
+        x: [..., 2D] float32 / bfloat16 / float16 (gate then up), any strides.
+
+    Returns:
+        [..., D] in ``x.dtype``.
+    """
+    _check(x)
+    _check_device(x)
+    d = x.shape[-1] // 2
+    out_shape = (*x.shape[:-1], d)
+    if d == 0 or x.numel() == 0:
+        return torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    cfg = get_config(d)
+    x2 = _rows(x, 2 * d)
+    m = x2.shape[0]
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    with _guard(x):
+        _kernel("_silu_and_mul_fwd_kernel", x.device)[_grid(m, d, cfg)](
+            x2,
+            y,
+            m,
+            x2.stride(0),
+            y.stride(0),
+            D=d,
+            BLOCK_D=cfg.block_d,
+            ROWS=cfg.rows,
+            INT64=_int64(m + cfg.rows, x2.stride(0)),
+            num_warps=cfg.num_warps,
+        )
+    return y.reshape(out_shape)
+
+
+def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. ``x`` [..., 2D] given ``grad`` [..., D]; in ``x.dtype`` (row invariant)."""
+    _check_device(x)
+    d = x.shape[-1] // 2
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if d == 0 or x.numel() == 0:
+        return dx
+    cfg = get_config(d)
+    x2 = _rows(x, 2 * d)
+    g2 = _rows(grad.to(x.dtype), d)
+    m = x2.shape[0]
+    dx2 = dx.view(m, 2 * d)
+    with _guard(x):
+        _kernel("_silu_and_mul_bwd_kernel", x.device)[_grid(m, d, cfg)](
+            g2,
+            x2,
+            dx2,
+            m,
+            g2.stride(0),
+            x2.stride(0),
+            dx2.stride(0),
+            D=d,
+            BLOCK_D=cfg.block_d,
+            ROWS=cfg.rows,
+            INT64=_int64(m + cfg.rows, x2.stride(0), g2.stride(0)),
+            num_warps=cfg.num_warps,
+        )
+    return dx
+
+
+def _available(device: str, *, triton_interpret: bool) -> str | None:
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR})"
+    if device == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is available"
+    if device == "cpu":
+        if triton_interpret:
+            return None
+        return (
+            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
+            "interpreter"
+        )
+    return f"device {device!r} is not supported"
+
+
+PROVIDER = Provider(
+    op="silu_and_mul",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics="silu_and_mul/triton-f32",
+    fn=silu_and_mul,
+    version="1",
+    available=_available,
+    extras={"backward": silu_and_mul_backward},
+)

@@ -1,0 +1,512 @@
+"""Triton providers of rms_norm, silu_and_mul and rope: numerics, invariance, fusion, backward.
+
+On the CPU these run in the Triton interpreter (``TRITON_INTERPRET=1``; fp32 / fp16, small
+shapes) and skip otherwise; on a CUDA device they run on the GPU with bf16 too, plus GPU-only
+checks (large shapes, int64-sized rows, torch.compile with inductor, CUDA graph replay).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine import BackendUnavailableError, KernelRegistry, config
+from rl_engine.ops import _math, rms_norm, rope, silu_and_mul
+from rl_engine.ops.rms_norm import triton as rms_triton
+from rl_engine.ops.rope import reference as rope_ref
+from rl_engine.ops.rope import triton as rope_triton
+from rl_engine.ops.silu_and_mul import triton as silu_triton
+from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import interpreter_on
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+RUNNABLE = (ON_GPU or interpreter_on()) and rms_triton.triton is not None
+needs_triton = pytest.mark.skipif(
+    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
+)
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+# The interpreter's bf16 is not the GPU's (PLATFORMS.md): CPU runs fp32 / fp16 only.
+DTYPES = (
+    [torch.float32, torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
+)
+EPS = 1e-6
+B = "triton"
+# interpreter-sized row counts (every count the configs could straddle is a function of H only)
+COUNTS = (1, 2, 17, 31, 33, 64, 65, 128, 129)
+
+
+def _rand(*shape, dtype, gen=None, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+# ============================================================================ availability
+@pytest.mark.parametrize("mod", [rms_triton, silu_triton, rope_triton])
+def test_availability_reasons(mod):
+    reason = mod.PROVIDER.why_not("cpu", triton_interpret=False)
+    assert reason is not None and "TRITON_INTERPRET=1" in reason and "CUDA" in reason
+    if mod.triton is not None:
+        assert mod.PROVIDER.why_not("cpu", triton_interpret=True) is None
+    assert "not supported" in (mod._available("rocm", triton_interpret=True) or "")
+    assert mod.PROVIDER.invariant and mod.PROVIDER.name == "triton"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rope"])
+def test_unavailable_backend_raises(monkeypatch, op):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config.reload()
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
+        KernelRegistry.get_op(op, device="cpu", backend="triton")
+    # default resolution on the CPU stays native
+    assert KernelRegistry.get_op(op, device="cpu").provider.name == "native"
+
+
+def test_direct_call_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config.reload()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        rms_triton.rms_norm(torch.randn(2, 8), torch.randn(8))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        silu_triton.silu_and_mul(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        rope_triton.rope(torch.randn(2, 1, 8), torch.arange(2))
+
+
+@gpu
+def test_triton_is_default_on_gpu():
+    for op in ("rms_norm", "silu_and_mul", "rope"):
+        assert KernelRegistry.get_op(op, device="cuda").provider.name == "triton"
+
+
+def test_configs_depend_on_hidden_size_only():
+    for h in (1, 16, 72, 128, 760, 1128, 2048, 4096, 8192, 16384, 65536):
+        c = rms_triton.get_config(h)
+        assert c.block_h >= h and c.wgrad_chunk % c.wgrad_rows == 0 and c.rows >= 1
+    with pytest.raises(ValueError, match="hidden size"):
+        rms_triton.get_config(rms_triton.MAX_HIDDEN + 1)
+    assert silu_triton.get_config(14336).block_d <= 2048
+    assert rope_triton.get_config(32, 128, 128).block_p == 64
+
+
+def test_rope_constants_are_the_references():
+    c = rope_triton._CONSTS
+    assert c[:4] == (_math._INV_PIO2, _math._PIO2_1, _math._PIO2_2, _math._PIO2_3)
+    assert len(c) == 28
+
+
+# ============================================================================ rms_norm
+def _rms64(r, w, eps=EPS):
+    r64 = r.double()
+    return r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 16), (33, 760), (17, 1128), (0, 64), (2, 5, 129), (3, 1)])
+def test_rms_norm_numerics(dtype, shape):
+    x, w = _rand(*shape, dtype=dtype), _rand(shape[-1], dtype=dtype)
+    y = rms_norm(x, w, EPS, backend=B)
+    assert y.dtype == dtype and y.shape == x.shape
+    rtol, atol = tolerance(dtype)
+    assert_close(y, _rms64(x, w), rtol=rtol, atol=atol, what=f"rms_norm {shape} {dtype}")
+    res = _rand(*shape, dtype=dtype)
+    y2, s = rms_norm(x, w, EPS, res, backend=B)
+    assert_bitwise(s, x + res, "residual sum == torch's x + residual")
+    assert_close(y2, _rms64(s, w), rtol=rtol, atol=atol, what="fused rms_norm")
+
+
+@needs_triton
+def test_rms_norm_mixed_weight_dtype():
+    x, w = _rand(9, 64, dtype=torch.float16), _rand(64, dtype=torch.float32)
+    y = rms_norm(x, w, backend=B)
+    assert y.dtype == torch.float16
+    assert_close(y, _rms64(x, w), rtol=1e-3, atol=1e-3, what="fp16 x, fp32 weight")
+
+
+@needs_triton
+@pytest.mark.parametrize("h", [96, 2048])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_backward_numerics_and_determinism(dtype, h):
+    x = _rand(45, h, dtype=dtype).requires_grad_(True)
+    w = _rand(h, dtype=dtype).requires_grad_(True)
+    g = _rand(45, h, dtype=dtype)
+
+    def grads():
+        x.grad = w.grad = None
+        rms_norm(x, w, EPS, backend=B).backward(g)
+        return x.grad.clone(), w.grad.clone()
+
+    gx, gw = grads()
+    gx2, gw2 = grads()
+    assert_bitwise(gx, gx2, "dx run-to-run")
+    assert_bitwise(gw, gw2, "dw run-to-run")
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    _rms64(x64, w64).backward(g.double())
+    rtol, atol = tolerance(dtype, grad=True)
+    assert_close(gx, x64.grad, rtol=rtol, atol=atol, what="dx")
+    # dw sums 45 rows of products of size ~1: scale atol with the reduction length
+    assert_close(gw, w64.grad, rtol=rtol, atol=atol * 45**0.5, what="dw")
+
+
+@needs_triton
+@pytest.mark.parametrize("h", [72, 760])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_row_invariance_forward(dtype, h):
+    w = _rand(h, dtype=dtype)
+    x = _rand(150, h, dtype=dtype)
+    check_row_invariance(lambda t: rms_norm(t, w, backend=B), x, counts=COUNTS, what="fwd")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_row_invariance_fused_forward(dtype):
+    w = _rand(128, dtype=dtype)
+    x, res = _rand(199, 128, dtype=dtype), _rand(199, 128, dtype=dtype)
+
+    def f(idx):
+        i = idx.long()
+        return torch.cat(rms_norm(x[i], w, EPS, res[i], backend=B), dim=-1)
+
+    check_row_invariance(f, torch.arange(199.0, device=DEVICE), counts=COUNTS, what="fused fwd")
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_row_invariance_dx(dtype, fused):
+    w = _rand(200, dtype=dtype)
+    x, res = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
+    gy, gs = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
+
+    def dx(idx):
+        i = idx.long()
+        xi = x[i].clone().requires_grad_(True)
+        if fused:
+            y, s = rms_norm(xi, w, EPS, res[i], backend=B)
+            torch.autograd.backward([y, s], [gy[i], gs[i]])
+        else:
+            rms_norm(xi, w, EPS, backend=B).backward(gy[i])
+        return xi.grad
+
+    check_row_invariance(
+        dx, torch.arange(150.0, device=DEVICE), counts=COUNTS, what=f"dX fused={fused}"
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("grad_s", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fused_equals_unfused(dtype, grad_s):
+    x0, r0 = _rand(67, 72, dtype=dtype), _rand(67, 72, dtype=dtype)
+    w0 = _rand(72, dtype=dtype)
+    gy, gs = _rand(67, 72, dtype=dtype), _rand(67, 72, dtype=dtype)
+
+    def run(fused):
+        x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w0))
+        if fused:
+            y, s = rms_norm(x, w, EPS, r, backend=B)
+        else:
+            s = x + r
+            y = rms_norm(s, w, EPS, backend=B)
+        outs, grads = ([y, s], [gy, gs]) if grad_s else ([y], [gy])
+        torch.autograd.backward(outs, grads)
+        return y, s, x.grad, r.grad, w.grad
+
+    for a, b, name in zip(run(True), run(False), ["y", "s", "dx", "dresidual", "dweight"]):
+        assert_bitwise(a, b, f"fused vs unfused {name}")
+
+
+@needs_triton
+@pytest.mark.parametrize("h", [24, 2048])
+def test_rms_norm_wgrad_chunks_and_zero_padding(h):
+    """Several weight-gradient partials (row count > chunk), appended zero rows, 3-d input."""
+    chunk = rms_triton.get_config(h).wgrad_chunk
+    m = chunk + 7 if h == 2048 else 50
+    x, g = _rand(m, h, dtype=torch.float32), _rand(m, h, dtype=torch.float32)
+    base = rms_triton.rms_norm_wgrad(g, x, EPS)
+    assert_bitwise(rms_triton.rms_norm_wgrad(g, x, EPS), base, "dW run-to-run")
+    for pad in (1, chunk - 7, chunk + 3):
+        z = torch.zeros(pad, h, device=DEVICE)
+        got = rms_triton.rms_norm_wgrad(torch.cat([g, z]), torch.cat([x, z]), EPS)
+        assert_bitwise(got, base, f"dW with {pad} zero rows")
+    if m % 2 == 0:
+        x3, g3 = x.reshape(2, m // 2, h), g.reshape(2, m // 2, h)
+        assert_bitwise(rms_triton.rms_norm_wgrad(g3, x3, EPS), base, "dW of [2, M/2, H]")
+    want = (g.double() * _rms64(x, torch.ones(h, device=DEVICE))).sum(0)
+    assert_close(base, want, rtol=1e-4, atol=1e-4 * m**0.5, what="dW vs float64")
+
+
+@needs_triton
+def test_rms_norm_strided_input():
+    x = _rand(40, 2 * 96, dtype=torch.float32)[::2, ::2]
+    w = _rand(96, dtype=torch.float32)
+    want = rms_norm(x.contiguous(), w, backend=B)
+    assert_bitwise(rms_norm(x, w, backend=B), want, "strided")
+    wide = _rand(2 * 96, dtype=torch.float32)
+    assert_bitwise(
+        rms_norm(x.contiguous(), wide[::2], backend=B),
+        rms_norm(x.contiguous(), wide[::2].contiguous(), backend=B),
+        "strided weight",
+    )
+
+
+@needs_triton
+def test_rms_norm_opcheck():
+    x = _rand(5, 7, dtype=torch.float32)
+    r, w, g = (
+        _rand(5, 7, dtype=torch.float32),
+        _rand(7, dtype=torch.float32),
+        _rand(5, 7, dtype=torch.float32),
+    )
+    ops = torch.ops.rl_engine
+    torch.library.opcheck(ops.rms_norm.default, (x.clone().requires_grad_(), w, EPS, B))
+    torch.library.opcheck(ops.fused_add_rms_norm.default, (x, r, w, EPS, B))
+    torch.library.opcheck(ops.rms_norm_dx.default, (g, x, w, EPS, B))
+    torch.library.opcheck(ops.rms_norm_wgrad.default, (g, x, EPS, B))
+
+
+@needs_triton
+def test_rms_norm_compile_matches_eager():
+    x, r = _rand(9, 32, dtype=torch.float32), _rand(9, 32, dtype=torch.float32)
+    w = _rand(32, dtype=torch.float32)
+    backend = "inductor" if ON_GPU else "eager"
+    f = torch.compile(
+        lambda a, b, c: rms_norm(a, c, EPS, b, backend=B), fullgraph=True, backend=backend
+    )
+    for got, want, n in zip(f(x, r, w), rms_norm(x, w, EPS, r, backend=B), "ys"):
+        assert_bitwise(got, want, f"compile vs eager {n}")
+
+
+# ============================================================================ silu_and_mul
+def _silu64(x):
+    d = x.shape[-1] // 2
+    a, b = x[..., :d].double(), x[..., d:].double()
+    return a * torch.sigmoid(a) * b
+
+
+def _silu_inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = 4 * torch.randn(shape, generator=g)
+    if x.numel() >= 4:  # saturated and zero gates
+        x.view(-1)[:4] = torch.tensor([0.0, -30.0, 30.0, -100.0])
+    return x.to(device=DEVICE, dtype=dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (33, 2 * 760), (17, 2 * 1128), (0, 64), (2, 5, 258)])
+def test_silu_and_mul_numerics(dtype, shape):
+    x = _silu_inputs(shape, dtype)
+    y = silu_and_mul(x, backend=B)
+    assert y.dtype == dtype and y.shape == (*shape[:-1], shape[-1] // 2)
+    rtol, atol = tolerance(dtype)
+    assert_close(y, _silu64(x), rtol=rtol, atol=atol, what=f"silu_and_mul {shape} {dtype}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_backward(dtype):
+    x = _silu_inputs((45, 2 * 96), dtype).requires_grad_(True)
+    g = _rand(45, 96, dtype=dtype)
+
+    def grad():
+        x.grad = None
+        silu_and_mul(x, backend=B).backward(g)
+        return x.grad.clone()
+
+    gx = grad()
+    assert_bitwise(grad(), gx, "dx run-to-run")
+    x64 = x.detach().double().requires_grad_(True)
+    _silu64(x64).backward(g.double())
+    rtol, atol = tolerance(dtype, grad=True)
+    assert_close(gx, x64.grad, rtol=rtol, atol=atol, what="silu_and_mul dx")
+
+
+@needs_triton
+@pytest.mark.parametrize("d", [45, 1100] if ON_GPU else [45, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_row_invariance(dtype, d):
+    x = _silu_inputs((150, 2 * d), dtype)
+    gy = _rand(150, d, dtype=dtype)
+    check_row_invariance(lambda t: silu_and_mul(t, backend=B), x, counts=COUNTS, what="fwd")
+
+    def dx(idx):
+        i = idx.long()
+        xi = x[i].clone().requires_grad_(True)
+        silu_and_mul(xi, backend=B).backward(gy[i])
+        return xi.grad
+
+    check_row_invariance(dx, torch.arange(150.0, device=DEVICE), counts=COUNTS, what="dX")
+
+
+@needs_triton
+def test_silu_and_mul_strided_and_opcheck():
+    x = _silu_inputs((20, 4 * 48), torch.float32)[::2, 1::2]
+    assert_bitwise(silu_and_mul(x, backend=B), silu_and_mul(x.contiguous(), backend=B), "strided")
+    xs, g = _silu_inputs((5, 14), torch.float32), _rand(5, 7, dtype=torch.float32)
+    ops = torch.ops.rl_engine
+    torch.library.opcheck(ops.silu_and_mul.default, (xs.clone().requires_grad_(), B))
+    torch.library.opcheck(ops.silu_and_mul_backward.default, (g, xs, B))
+
+
+# ============================================================================ rope
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_ROPE_CASES = [
+    (10000.0, 24, None),
+    (500000.0, 24, _LLAMA3),
+    (10000.0, 16, {"rope_type": "linear", "factor": 4.0}),  # partial rotary
+    (1000000.0, 8, None),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("case", _ROPE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_bitwise_equals_native(dtype, case, neox):
+    """Same numerics family as the reference: forward and backward bit for bit."""
+    theta, rd, scaling = case
+    g = torch.Generator().manual_seed(1)
+    x = _rand(67, 3, 24, dtype=dtype, gen=g)
+    pos = torch.randint(0, 200000, (67,), generator=g).to(DEVICE)
+    for p in (pos, pos.to(torch.int32)):
+        got = rope(x, p, theta, rd, neox, scaling, backend=B)
+        assert_bitwise(got, rope(x, p, theta, rd, neox, scaling, backend="native"), "fwd")
+        back = rope_triton.rope_backward(x, p, theta, rd, neox, scaling)
+        assert_bitwise(back, rope_ref.rope_backward(x, p, theta, rd, neox, scaling), "bwd")
+    assert rope_triton.PROVIDER.numerics == KernelRegistry.provider("rope", "native").numerics
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_autograd_row_invariance_and_strides(dtype):
+    n = 150
+    g = torch.Generator().manual_seed(2)
+    x = _rand(n, 4, 32, dtype=dtype, gen=g)
+    gy = _rand(n, 4, 32, dtype=dtype, gen=g)
+    pos = torch.randint(0, 8192, (n,), generator=g).to(DEVICE)
+
+    def fwd(idx):
+        i = idx.long()
+        return rope(x[i], pos[i], rotary_dim=24, backend=B)
+
+    def dx(idx):
+        i = idx.long()
+        xi = x[i].clone().requires_grad_(True)
+        rope(xi, pos[i], rotary_dim=24, backend=B).backward(gy[i])
+        return xi.grad
+
+    idx = torch.arange(float(n), device=DEVICE)
+    check_row_invariance(fwd, idx, counts=COUNTS, what="rope fwd")
+    check_row_invariance(dx, idx, counts=COUNTS, what="rope dX")
+    # a q slice of a fused qkv buffer (strided in every dim but the last)
+    qkv = _rand(n, 12, 32, dtype=dtype, gen=g)
+    q = qkv[:, :4]
+    assert_bitwise(rope(q, pos, backend=B), rope(q.contiguous(), pos, backend=B), "strided")
+    assert rope(x[:0], pos[:0], backend=B).shape == (0, 4, 32)
+
+
+@needs_triton
+def test_rope_opcheck():
+    x, pos = _rand(5, 2, 8, dtype=torch.float32), torch.arange(5, device=DEVICE)
+    args = (10000.0, 8, True, "default", 1.0, 0.0, 0.0, 0, B)
+    ops = torch.ops.rl_engine
+    torch.library.opcheck(ops.rope.default, (x.clone().requires_grad_(), pos, *args))
+    torch.library.opcheck(ops.rope_backward.default, (x, pos, *args))
+
+
+# ============================================================================ GPU only
+@gpu
+@pytest.mark.parametrize("h", [4096, 8192])
+def test_gpu_rms_norm_large_bf16(h):
+    dtype = torch.bfloat16
+    x = torch.randn(4099, h, device="cuda", dtype=dtype)
+    res = torch.randn(4099, h, device="cuda", dtype=dtype)
+    w = torch.randn(h, device="cuda", dtype=dtype)
+    check_row_invariance(
+        lambda t: rms_norm(t, w, backend=B), x, counts=(1, 17, 255, 256, 257, 2048), what="fwd"
+    )
+    y, s = rms_norm(x, w, EPS, res, backend=B)
+    assert_bitwise(s, x + res, "residual sum")
+    assert_bitwise(y, rms_norm(x + res, w, EPS, backend=B), "fused vs unfused")
+    rtol, atol = tolerance(dtype)
+    assert_close(y, _rms64(s, w), rtol=rtol, atol=atol, what="bf16 large")
+    g = torch.randn_like(x)
+    dw = rms_triton.rms_norm_wgrad(g, x, EPS)
+    assert_bitwise(rms_triton.rms_norm_wgrad(g, x, EPS), dw, "dW run-to-run")
+    z = torch.zeros(333, h, device="cuda", dtype=dtype)
+    assert_bitwise(rms_triton.rms_norm_wgrad(torch.cat([g, z]), torch.cat([x, z]), EPS), dw, "pad")
+
+
+@gpu
+def test_gpu_silu_and_mul_large_bf16():
+    x = _silu_inputs((2049, 2 * 14336), torch.bfloat16)
+    check_row_invariance(
+        lambda t: silu_and_mul(t, backend=B), x, counts=(1, 17, 255, 1024), what="fwd"
+    )
+    assert_close(silu_and_mul(x, backend=B), _silu64(x), rtol=1e-2, atol=1e-2, what="bf16")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rope_large_equals_native(dtype):
+    x = torch.randn(4099, 32, 128, device="cuda", dtype=dtype)
+    pos = torch.randint(0, 131072, (4099,), device="cuda")
+    for neox in (True, False):
+        got = rope(x, pos, 500000.0, 128, neox, _LLAMA3, backend=B)
+        assert_bitwise(got, rope(x, pos, 500000.0, 128, neox, _LLAMA3, backend="native"), "gpu")
+
+
+@gpu
+def test_gpu_int64_offsets_rms_norm():
+    h = 8192
+    m = (2**31) // h + 3  # element offsets pass 2^31
+    try:
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    w = torch.randn(h, device="cuda", dtype=torch.bfloat16)
+    y = rms_norm(x, w, backend=B)
+    assert_bitwise(y[-5:], rms_norm(x[-5:].clone(), w, backend=B), "last rows, int64 offsets")
+    del x, y
+
+
+@gpu
+def test_gpu_compile_inductor_and_cuda_graph():
+    dtype = torch.bfloat16
+    x = torch.randn(64, 2048, device="cuda", dtype=dtype)
+    res = torch.randn(64, 2048, device="cuda", dtype=dtype)
+    w = torch.randn(2048, device="cuda", dtype=dtype)
+    gu = torch.randn(64, 2 * 4096, device="cuda", dtype=dtype)
+    q = torch.randn(64, 16, 128, device="cuda", dtype=dtype)
+    pos = torch.arange(64, device="cuda") * 7
+
+    def block(x, res, gu, q):
+        y, s = rms_norm(x, w, EPS, res, backend=B)
+        return y, s, silu_and_mul(gu, backend=B), rope(q, pos, 10000.0, backend=B)
+
+    eager = block(x, res, gu, q)
+    compiled = torch.compile(block, fullgraph=True)(x, res, gu, q)
+    for a, b in zip(compiled, eager):
+        assert_bitwise(a, b, "inductor vs eager")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        block(x, res, gu, q)  # warm-up (tables, compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = block(x, res, gu, q)
+    for src in (x, res, gu, q):
+        src.copy_(torch.randn_like(src))
+    graph.replay()
+    for a, b in zip(captured, block(x, res, gu, q)):
+        assert_bitwise(a, b, "CUDA graph replay vs eager")
