@@ -53,6 +53,17 @@ def _hf_stock_logprobs(model, input_ids, attention_mask, temperature: float):
     return lp.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
+def _megatron_stock_logprobs(model, input_ids, temperature: float):
+    """Stock Megatron: materialised logits, then torch's log-softmax (right padding is harmless
+    under the causal mask)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids.to(next(model.parameters()).device), None, None)
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return lp.gather(-1, input_ids[:, 1:, None].to(lp.device))[..., 0].cpu()
+
+
 def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -73,10 +84,13 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
             adapter.patch_model(model)
     elif cfg["trainer"] == "megatron":
         from rl_engine.adapters import megatron as adapter
+        from rl_engine.adapters.megatron import cpu_shim
 
-        model = adapter.from_pretrained(
-            cfg["model"], dtype=dtype, spec="rl_engine" if cfg["engine"] == "rl_engine" else "stock"
-        )
+        cpu_shim.install()  # one-process model-parallel state; CPU stand-ins when no CUDA
+        if cfg["engine"] == "rl_engine":
+            model = adapter.from_pretrained(cfg["model"], dtype=dtype)
+        else:
+            model = adapter.stock_from_pretrained(cfg["model"], dtype=dtype)
     else:
         raise ValueError(f"unknown trainer {cfg['trainer']!r}")
 
@@ -91,6 +105,8 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
             mask[j, : len(x)] = 1
         if cfg["engine"] == "stock" and cfg["trainer"] == "hf":
             lp = _hf_stock_logprobs(model, ids, mask, temperature)
+        elif cfg["engine"] == "stock":
+            lp = _megatron_stock_logprobs(model, ids, temperature)
         else:
             with torch.no_grad():
                 lp = adapter.token_logprobs(

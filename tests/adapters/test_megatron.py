@@ -127,31 +127,7 @@ def test_accuracy_vs_stock_hf(models, ckpts):
 
 
 def _stock_model(path, dtype):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from rl_engine.adapters.megatron.loader import (
-        _read_config,
-        _tensors,
-        hf_config_to_megatron,
-        hf_to_megatron_state,
-    )
-
-    cfg = _read_config(path)
-    mcfg = hf_config_to_megatron(cfg, dtype)
-    model = GPTModel(
-        mcfg,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.qk_layernorm),
-        vocab_size=cfg["vocab_size"],
-        max_sequence_length=1024,
-        share_embeddings_and_output_weights=bool(cfg["tie_word_embeddings"]),
-        position_embedding_type="rope",
-        rotary_base=int(cfg["rope_parameters"]["rope_theta"]),
-    ).to(dtype)
-    state = hf_to_megatron_state(dict(_tensors(path)), cfg, bool(cfg["tie_word_embeddings"]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-    return model.eval()
+    return ma.stock_from_pretrained(path, dtype=dtype)
 
 
 def test_stock_megatron_mismatches(ckpts):

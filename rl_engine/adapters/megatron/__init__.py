@@ -4,13 +4,18 @@
   from rl_engine modules (local spec; no Transformer Engine / apex).
 * :func:`replace_modules`: swap an existing ``GPTModel``'s numerics to rl_engine in place.
 * :func:`token_logprobs`: teacher-forced token log-probs through ``linear_logp``.
+* :func:`stock_from_pretrained`: the stock local-spec model from the same checkpoint (baseline).
 * :func:`from_pretrained`: a ``GPTModel`` with the rl_engine spec from a Hugging Face Llama /
   Qwen2 / Qwen3 checkpoint.
 
 Import explicitly (``import rl_engine.adapters.megatron``); needs ``megatron-core``.
 """
 
-from rl_engine.adapters.megatron.loader import from_pretrained, hf_to_megatron_state
+from rl_engine.adapters.megatron.loader import (
+    from_pretrained,
+    hf_to_megatron_state,
+    stock_from_pretrained,
+)
 from rl_engine.adapters.megatron.logprobs import token_logprobs
 from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
 from rl_engine.adapters.megatron.replace import ReplaceReport, replace_modules
@@ -25,5 +30,6 @@ __all__ = [
     "get_gpt_layer_rl_spec",
     "hf_to_megatron_state",
     "replace_modules",
+    "stock_from_pretrained",
     "token_logprobs",
 ]

@@ -1,4 +1,5 @@
-"""CPU shim for megatron-core 0.16.1 (tests only; never imported by the library).
+"""CPU shim for megatron-core 0.16.1: used by the tests and by ``rl-engine audit`` on CPU-only
+machines; no adapter module imports it, and it changes nothing when CUDA is available.
 
 megatron-core assumes CUDA in a few places even with the local (non-Transformer-Engine) spec:
 

@@ -216,3 +216,42 @@ def from_pretrained(
     model.rl_engine_rope = rope
     model.eval()
     return model
+
+
+def stock_from_pretrained(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None
+) -> Any:
+    """The *stock* megatron-core ``GPTModel`` (local spec, Megatron's own RoPE, no rl_engine ops)
+    with the weights of a Hugging Face checkpoint: the "before" picture of tests and audits.
+
+    Megatron's model-parallel state must be initialised. Returns the model in eval mode; call it
+    as ``model(input_ids, None, None)`` for logits [B, S, V] in the model dtype.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    path = os.fspath(path)
+    cfg = _read_config(path)
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    mcfg = hf_config_to_megatron(cfg, dtype)
+    rope = rope_from_hf_config(cfg)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    model = GPTModel(
+        mcfg,
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.qk_layernorm),
+        vocab_size=cfg["vocab_size"],
+        max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=int(rope.theta),
+    ).to(dtype)
+    state = hf_to_megatron_state(dict(_tensors(path)), cfg, tied)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or not all(k.endswith("_extra_state") for k in missing):
+        raise RuntimeError(f"stock_from_pretrained: missing {missing}, unexpected {unexpected}")
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model.eval()
