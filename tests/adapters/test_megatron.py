@@ -127,6 +127,8 @@ def test_accuracy_vs_stock_hf(models, ckpts):
 
 
 def _stock_model(path, dtype):
+    from rl_engine.adapters import megatron as ma
+
     return ma.stock_from_pretrained(path, dtype=dtype)
 
 
