@@ -336,6 +336,11 @@ KernelRegistry.register_provider(
     )
 )
 
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.grpo_loss import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
 
 def self_test(device: str) -> None:
     """Run-to-run and padding invariance of loss, metrics and d logp (``rl-engine check``)."""

@@ -305,6 +305,11 @@ KernelRegistry.register_provider(
     )
 )
 
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.ratio_kl import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
 
 def self_test(device: str) -> None:
     """Bitwise row invariance of every output and of the gradient (``rl-engine check``)."""

@@ -1,0 +1,696 @@
+"""``triton`` provider of ``grpo_loss``: forward (loss + metrics) and backward in Triton.
+
+Numerics (family ``grpo_loss/triton``), three levels, each in a fixed order:
+
+1. **Per token** (fp32, one pass over a ``BLOCK_T`` tile, :func:`_grpo_token_terms`, shared by
+   the forward and the backward so both see the same bits): clamped log-ratio, ratio (``exp`` of
+   :mod:`rl_engine.ops.ratio_kl.triton`), clipped / dual-clipped surrogate, IS weight, k3 KL.
+   Masked tokens read every input as 0 (NaN padding is harmless).
+2. **Per sequence**: each tile reduces every per-token statistic with a fixed pairwise tree over
+   its ``BLOCK_T`` lanes (:func:`~rl_engine.ops.ratio_kl.triton._tree_sum`; independent of the
+   register layout the compiler picks) and writes the partials to memory; a sequence's value is
+   the sum of its tile partials in tile order. For GSPO (``ratio_type="sequence"``) a pre-pass
+   computes the sequence mean log-ratio the same way before the token pass.
+3. **Global** (loss, metrics, the default denominator): one program walks the sequences in
+   blocks of ``BLOCK_B`` (lane = sequence), reduces each block with the same pairwise tree and
+   adds the block results sequentially in sequence order.
+
+``BLOCK_T`` and ``BLOCK_B`` are constants, so every sum depends on token / sequence positions
+only: appending masked tokens or fully-masked sequences adds exact zeros (loss, metrics and
+gradients unchanged), the gradient of row b depends on row b alone once the denominator is fixed
+(``loss_norm``), and nothing is atomic, so results are bitwise reproducible run to run.
+``loss = pg_loss + kl_beta * kl_loss`` is formed from the metric scalars exactly as the
+reference does. Not promised: bitwise identity with the ``native`` family, across GPU models or
+Triton versions; on the CPU the kernels run in the Triton interpreter (a test vehicle).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.grpo_loss.reference import AGG_MODES, METRIC_NAMES, _check
+from rl_engine.ops.ratio_kl import triton as _rk
+from rl_engine.registry import Provider
+
+triton = _rk.triton
+tl = _rk.tl
+
+__all__ = ["BLOCK_B", "BLOCK_T", "PROVIDER", "grpo_loss", "grpo_loss_backward"]
+
+BLOCK_T = _rk.BLOCK_T
+_LOG_BLOCK_T = BLOCK_T.bit_length() - 1
+# Sequences per block of the global reduction (lanes of its pairwise tree): part of the family.
+BLOCK_B = 128
+_LOG_BLOCK_B = BLOCK_B.bit_length() - 1
+_NUM_WARPS = 4
+# Per-tile statistics written by the forward token pass (columns of the partials buffer).
+_STATS = 16  # 13 used, padded to a power of two
+_AGG_ID = {name: i for i, name in enumerate(AGG_MODES)}
+_SEQ_MEAN = _AGG_ID["seq-mean-token-mean"]
+
+
+if triton is not None:
+    _tree_sum = _rk._tree_sum
+    _exp = _rk._exp
+    _k3 = _rk._k3
+    _expm1 = _rk._expm1
+    _tree_sum_rows = _rk._tree_sum_rows
+
+    @triton.jit
+    def _load_row(ptr, b, t, s_b, s_t, inb):
+        return tl.load(ptr + b * s_b + t * s_t, mask=inb, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _row_stats(pre_ptr, b, rows, NT, ROWS: tl.constexpr):
+        """[ROWS, 1] x 2: sum of masked raw log-ratios and real-token count of rows b, each the
+        sum of the row's tile partials in tile order."""
+        s = tl.zeros((ROWS,), dtype=tl.float32)
+        n = tl.zeros((ROWS,), dtype=tl.float32)
+        for j in range(0, NT):
+            p = (b * NT + j) * 2
+            s = s + tl.load(pre_ptr + p, mask=rows, other=0.0)
+            n = n + tl.load(pre_ptr + p + 1, mask=rows, other=0.0)
+        return s[:, None], n[:, None]
+
+    @triton.jit
+    def _grpo_token_terms(
+        lp,
+        old,
+        adv,
+        m,
+        ref,
+        w,
+        seq_s,
+        seq_n,
+        clamp,
+        r_lo,
+        r_hi,
+        dual_c,
+        SEQ_RATIO: tl.constexpr,
+        HAS_DUAL: tl.constexpr,
+        HAS_REF: tl.constexpr,
+        HAS_W: tl.constexpr,
+    ):
+        raw = tl.where(m, lp - old, 0.0)
+        tok_lr = tl.clamp(raw, -clamp, clamp)
+        if SEQ_RATIO:  # GSPO-token: the sequence's value, d lr / d logp_t = 1
+            s = seq_s / tl.maximum(seq_n, 1.0) + tl.zeros_like(raw)  # broadcast over the tile
+            lr = tl.clamp(s, -clamp, clamp)
+            inr = (s >= -clamp) & (s <= clamp)
+        else:
+            lr = tok_lr
+            inr = (raw >= -clamp) & (raw <= clamp)
+        r = _exp(lr)
+        a = tl.where(m, adv, 0.0)
+        pg1 = -a * r
+        pg2 = -a * tl.clamp(r, r_lo, r_hi)
+        clipped = pg2 > pg1
+        pg = tl.where(clipped, pg2, pg1)
+        if HAS_DUAL:
+            pg3 = -a * dual_c
+            dual = (a < 0) & (pg > pg3)
+            pg = tl.where(dual, pg3, pg)
+        else:
+            dual = clipped & (a != a)  # all False
+        dpg = tl.where(clipped | dual, 0.0, pg1)
+        dpg = tl.where(inr, dpg, 0.0)
+        if HAS_W:
+            wz = tl.where(m, w, 0.0)
+            pg = pg * wz
+            dpg = dpg * wz
+        if HAS_REF:
+            d_raw = tl.where(m, ref, 0.0) - tl.where(m, lp, 0.0)
+            d = tl.clamp(d_raw, -clamp, clamp)
+            e = _exp(d)
+            kl = _k3(d, e)
+            dkl = tl.where((d_raw >= -clamp) & (d_raw <= clamp), -_expm1(d, e), 0.0)
+        else:
+            kl = tl.zeros_like(raw)
+            dkl = tl.zeros_like(raw)
+        return tok_lr, r, clipped, dual, pg, dpg, kl, dkl
+
+    @triton.jit
+    def _grpo_prepass_kernel(
+        lp_ptr,
+        old_ptr,
+        m_ptr,
+        pre_ptr,
+        B,
+        T,
+        NT,
+        s_lb,
+        s_lt,
+        s_ob,
+        s_ot,
+        s_mb,
+        s_mt,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LOG_BLOCK: tl.constexpr,
+    ):
+        # Per (sequence, tile): sum of the masked raw log-ratios and the real-token count.
+        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        rows = b < B
+        inb = rows[:, None] & (t < T)[None, :]
+        bb = b[:, None]
+        tt = t[None, :]
+        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
+        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
+        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
+        raw = tl.where(m, lp - old, 0.0)
+        p = (b * NT + j) * 2
+        tl.store(pre_ptr + p, _tree_sum_rows(raw, ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        cnt = _tree_sum_rows(m.to(tl.float32), ROWS, BLOCK, LOG_BLOCK)
+        tl.store(pre_ptr + p + 1, cnt, mask=rows)
+
+    @triton.jit
+    def _grpo_fwd_kernel(
+        lp_ptr,
+        old_ptr,
+        adv_ptr,
+        m_ptr,
+        ref_ptr,
+        w_ptr,
+        pre_ptr,
+        part_ptr,
+        B,
+        T,
+        NT,
+        s_lb,
+        s_lt,
+        s_ob,
+        s_ot,
+        s_ab,
+        s_at,
+        s_mb,
+        s_mt,
+        s_rb,
+        s_rt,
+        s_wb,
+        s_wt,
+        clamp,
+        r_lo,
+        r_hi,
+        dual_c,
+        SEQ_RATIO: tl.constexpr,
+        HAS_DUAL: tl.constexpr,
+        HAS_REF: tl.constexpr,
+        HAS_W: tl.constexpr,
+        STATS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LOG_BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        rows = b < B
+        inb = rows[:, None] & (t < T)[None, :]
+        bb = b[:, None]
+        tt = t[None, :]
+        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
+        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
+        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
+        adv = _load_row(adv_ptr, bb, tt, s_ab, s_at, inb)
+        ref = lp
+        w = lp
+        if HAS_REF:
+            ref = _load_row(ref_ptr, bb, tt, s_rb, s_rt, inb)
+        if HAS_W:
+            w = _load_row(w_ptr, bb, tt, s_wb, s_wt, inb)
+        seq_s = 0.0
+        seq_n = 0.0
+        if SEQ_RATIO:
+            seq_s, seq_n = _row_stats(pre_ptr, b, rows, NT, ROWS)
+        tok_lr, r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
+            lp,
+            old,
+            adv,
+            m,
+            ref,
+            w,
+            seq_s,
+            seq_n,
+            clamp,
+            r_lo,
+            r_hi,
+            dual_c,
+            SEQ_RATIO,
+            HAS_DUAL,
+            HAS_REF,
+            HAS_W,
+        )
+        if SEQ_RATIO:
+            tok_e = _exp(tok_lr)
+        else:
+            tok_e = r
+        one = tl.full((ROWS, BLOCK), 1.0, tl.float32)
+        zero = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        p = part_ptr + (b * NT + j) * STATS
+        low = m & clipped & (r < 1.0)
+        high = m & clipped & (r > 1.0)
+        k3 = _k3(tok_lr, tok_e)
+        k2 = tok_lr * tok_lr * 0.5
+        tl.store(p + 0, _tree_sum_rows(tl.where(m, pg, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(p + 1, _tree_sum_rows(tl.where(m, kl, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        clip_n = _tree_sum_rows(tl.where(m & clipped, one, zero), ROWS, BLOCK, LOG_BLOCK)
+        tl.store(p + 2, clip_n, mask=rows)
+        tl.store(p + 3, _tree_sum_rows(tl.where(low, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(
+            p + 4, _tree_sum_rows(tl.where(high, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows
+        )
+        dual_n = _tree_sum_rows(tl.where(m & dual, one, zero), ROWS, BLOCK, LOG_BLOCK)
+        tl.store(p + 5, dual_n, mask=rows)
+        tl.store(
+            p + 6, _tree_sum_rows(tl.where(m, -tok_lr, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows
+        )
+        tl.store(p + 7, _tree_sum_rows(tl.where(m, k3, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(p + 8, _tree_sum_rows(tl.where(m, k2, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(p + 9, _tree_sum_rows(tl.where(m, r, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(p + 10, _tree_sum_rows(tl.where(m, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+        tl.store(p + 11, tl.min(tl.where(m, r, float("inf")), axis=1), mask=rows)
+        tl.store(p + 12, tl.max(tl.where(m, r, -float("inf")), axis=1), mask=rows)
+
+    @triton.jit
+    def _grpo_reduce_kernel(
+        part_ptr,
+        out_ptr,
+        B,
+        NT,
+        T_f,
+        loss_norm,
+        AGG: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        COUNTS_ONLY: tl.constexpr,
+        STATS: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        LOG_BLOCK_B: tl.constexpr,
+    ):
+        # One program. Lane = sequence: its tile partials added in tile order; blocks of BLOCK_B
+        # sequences reduced with the pairwise tree; block results added in sequence order.
+        # COUNTS_ONLY: the partials are the pre-pass's (raw sum, count) pairs and only the
+        # denominator D is written (backward).
+        lanes = tl.arange(0, BLOCK_B).to(tl.int64)
+        cols = tl.arange(0, STATS)
+        acc = tl.zeros((STATS,), dtype=tl.float32)
+        nseq = tl.zeros((), dtype=tl.float32)
+        rmin = tl.full((), float("inf"), tl.float32)
+        rmax = tl.full((), -float("inf"), tl.float32)
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + lanes
+            inb = b < B
+            s = tl.zeros((BLOCK_B, STATS), dtype=tl.float32)
+            smin = tl.full((BLOCK_B, STATS), float("inf"), tl.float32)
+            smax = tl.full((BLOCK_B, STATS), -float("inf"), tl.float32)
+            ld = inb[:, None] & (cols[None, :] < STATS)
+            for j in range(0, NT):
+                ptrs = part_ptr + (b[:, None] * NT + j) * STATS + cols[None, :]
+                x = tl.load(ptrs, mask=ld, other=0.0)
+                s = s + x
+                smin = tl.minimum(smin, tl.where(ld, x, float("inf")))
+                smax = tl.maximum(smax, tl.where(ld, x, -float("inf")))
+            if COUNTS_ONLY:
+                n = tl.sum(tl.where(cols[None, :] == 1, s, 0.0), axis=1)  # exact: one term
+            else:
+                n = tl.sum(tl.where(cols[None, :] == 10, s, 0.0), axis=1)
+                if AGG == 1:  # seq-mean-token-mean: per-sequence token means of pg and kl
+                    div = tl.where(cols[None, :] < 2, tl.maximum(n, 1.0)[:, None], 1.0)
+                    s = s / div
+                rmin = tl.minimum(rmin, tl.min(tl.where(cols[None, :] == 11, smin, float("inf"))))
+                rmax = tl.maximum(rmax, tl.max(tl.where(cols[None, :] == 12, smax, -float("inf"))))
+            nseq = nseq + _tree_sum(tl.where(n > 0, 1.0, 0.0), BLOCK_B, LOG_BLOCK_B)
+            for i in tl.static_range(LOG_BLOCK_B):
+                s = tl.sum(tl.reshape(s, (2, BLOCK_B >> (i + 1), STATS)), axis=0)
+            acc = acc + tl.sum(s, axis=0)
+        if COUNTS_ONLY:
+            ntok = tl.sum(tl.where(cols == 1, acc, 0.0), axis=0)
+        else:
+            ntok = tl.sum(tl.where(cols == 10, acc, 0.0), axis=0)
+        if HAS_NORM:
+            denom = loss_norm + tl.zeros((), dtype=tl.float32)
+        elif AGG == 0:
+            denom = tl.maximum(ntok, 1.0)
+        elif AGG == 3:
+            denom = T_f + tl.zeros((), dtype=tl.float32)
+        else:
+            denom = tl.maximum(nseq, 1.0)
+        if COUNTS_ONLY:
+            tl.store(out_ptr, denom)
+        else:
+            # metrics: pg, kl (/ D); token means (/ max(N, 1)); min / max; N; B'
+            nt1 = tl.maximum(ntok, 1.0)
+            scale = tl.where(cols < 2, denom, nt1)
+            vals = acc / scale
+            tl.store(out_ptr + cols, vals, mask=cols < 10)
+            has = ntok > 0
+            tl.store(out_ptr + 10, tl.where(has, rmin, 0.0))
+            tl.store(out_ptr + 11, tl.where(has, rmax, 0.0))
+            tl.store(out_ptr + 12, ntok)
+            tl.store(out_ptr + 13, nseq)
+
+    @triton.jit
+    def _grpo_bwd_kernel(
+        grad_ptr,
+        denom_ptr,
+        lp_ptr,
+        old_ptr,
+        adv_ptr,
+        m_ptr,
+        ref_ptr,
+        w_ptr,
+        pre_ptr,
+        d_ptr,
+        B,
+        T,
+        NT,
+        s_lb,
+        s_lt,
+        s_ob,
+        s_ot,
+        s_ab,
+        s_at,
+        s_mb,
+        s_mt,
+        s_rb,
+        s_rt,
+        s_wb,
+        s_wt,
+        clamp,
+        r_lo,
+        r_hi,
+        dual_c,
+        kl_beta,
+        denom_const,
+        SEQ_RATIO: tl.constexpr,
+        HAS_DUAL: tl.constexpr,
+        HAS_REF: tl.constexpr,
+        HAS_W: tl.constexpr,
+        KL_TERM: tl.constexpr,
+        PER_SEQ_MEAN: tl.constexpr,
+        DENOM_FROM_PTR: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        rows = b < B
+        inb = rows[:, None] & (t < T)[None, :]
+        bb = b[:, None]
+        tt = t[None, :]
+        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
+        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
+        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
+        adv = _load_row(adv_ptr, bb, tt, s_ab, s_at, inb)
+        ref = lp
+        w = lp
+        if HAS_REF:
+            ref = _load_row(ref_ptr, bb, tt, s_rb, s_rt, inb)
+        if HAS_W:
+            w = _load_row(w_ptr, bb, tt, s_wb, s_wt, inb)
+        seq_s = 0.0
+        seq_n = 0.0
+        if SEQ_RATIO or PER_SEQ_MEAN:
+            seq_s, seq_n = _row_stats(pre_ptr, b, rows, NT, ROWS)
+        tok_lr, r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
+            lp,
+            old,
+            adv,
+            m,
+            ref,
+            w,
+            seq_s,
+            seq_n,
+            clamp,
+            r_lo,
+            r_hi,
+            dual_c,
+            SEQ_RATIO,
+            HAS_DUAL,
+            HAS_REF,
+            HAS_W,
+        )
+        d = dpg
+        if KL_TERM:
+            d = d + kl_beta * dkl
+        if DENOM_FROM_PTR:
+            denom = tl.load(denom_ptr)
+        else:
+            denom = denom_const
+        c = tl.where(m, 1.0, 0.0)
+        if PER_SEQ_MEAN:
+            c = c / tl.maximum(seq_n, 1.0)
+        c = c / denom
+        g = tl.load(grad_ptr)
+        out = g * (c * d)
+        tl.store(d_ptr + bb * T + tt, out.to(d_ptr.dtype.element_ty), mask=inb)
+
+
+def _kernel(name: str, device: torch.device) -> Any:
+    return _rk._kernel(name, device, globals())
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if x is None else (x.stride(0), x.stride(1))
+
+
+def _prepass(logp, old_logp, m8, nt) -> torch.Tensor:
+    b, t = logp.shape
+    pre = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
+    if b == 0 or nt == 0:
+        return pre
+    with _rk._guard(logp):
+        rows = _rk.rows_per_program(logp.device)
+        _kernel("_grpo_prepass_kernel", logp.device)[(triton.cdiv(b, rows), nt)](
+            logp,
+            old_logp,
+            m8,
+            pre,
+            b,
+            t,
+            nt,
+            *_strides(logp),
+            *_strides(old_logp),
+            *_strides(m8),
+            ROWS=rows,
+            BLOCK=BLOCK_T,
+            LOG_BLOCK=_LOG_BLOCK_T,
+            num_warps=_NUM_WARPS,
+        )
+    return pre
+
+
+def _launch_reduce(part, out, b, nt, t, loss_agg, loss_norm, counts_only, stats) -> None:
+    with _rk._guard(part):
+        _kernel("_grpo_reduce_kernel", part.device)[(1,)](
+            part,
+            out,
+            b,
+            nt,
+            float(t),
+            float(loss_norm),
+            AGG=_AGG_ID[loss_agg],
+            HAS_NORM=loss_norm != 0.0,
+            COUNTS_ONLY=counts_only,
+            STATS=stats,
+            BLOCK_B=BLOCK_B,
+            LOG_BLOCK_B=_LOG_BLOCK_B,
+            num_warps=_NUM_WARPS,
+        )
+
+
+def _common_args(logp, old_logp, advantages, m8, ref_logp, is_weights) -> list[Any]:
+    return [
+        *_strides(logp),
+        *_strides(old_logp),
+        *_strides(advantages),
+        *_strides(m8),
+        *_strides(ref_logp),
+        *_strides(is_weights),
+    ]
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    ratio_type: str,
+    loss_agg: str,
+    loss_norm: float,
+    kl_beta: float,
+    log_ratio_clamp: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped policy-gradient loss and metrics (Triton; the reference's semantics).
+
+    Args:
+        logp, old_logp, advantages: [B, T] (fp32 / bf16 / fp16), any strides (a [B] advantage
+            expanded over T has stride 0 and is read as such).
+        mask: [B, T] bool.
+        ref_logp, is_weights: [B, T] or None.
+        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta,
+        log_ratio_clamp: as :func:`rl_engine.ops.grpo_loss.reference.grpo_loss`.
+
+    Returns:
+        ``(loss, metrics)``: fp32 scalar and fp32 [len(METRIC_NAMES)].
+    """
+    _check(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp,
+        is_weights,
+        clip_low,
+        clip_high,
+        dual_clip,
+        ratio_type,
+        loss_agg,
+        loss_norm,
+        kl_beta,
+        log_ratio_clamp,
+    )
+    _rk._check_device(logp, "grpo_loss")
+    b, t = logp.shape
+    dev = logp.device
+    nt = triton.cdiv(t, BLOCK_T)
+    m8 = mask.view(torch.uint8)
+    seq_ratio = ratio_type == "sequence"
+    pre = _prepass(logp, old_logp, m8, nt) if seq_ratio else None
+    part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
+    if b > 0 and nt > 0:
+        with _rk._guard(logp):
+            rows = _rk.rows_per_program(dev)
+            _kernel("_grpo_fwd_kernel", dev)[(triton.cdiv(b, rows), nt)](
+                logp,
+                old_logp,
+                advantages,
+                m8,
+                ref_logp if ref_logp is not None else logp,
+                is_weights if is_weights is not None else logp,
+                pre if pre is not None else part,
+                part,
+                b,
+                t,
+                nt,
+                *_common_args(logp, old_logp, advantages, m8, ref_logp, is_weights),
+                float(log_ratio_clamp),
+                1.0 - float(clip_low),
+                1.0 + float(clip_high),
+                float(dual_clip),
+                SEQ_RATIO=seq_ratio,
+                HAS_DUAL=dual_clip != 0.0,
+                HAS_REF=ref_logp is not None,
+                HAS_W=is_weights is not None,
+                STATS=_STATS,
+                ROWS=rows,
+                BLOCK=BLOCK_T,
+                LOG_BLOCK=_LOG_BLOCK_T,
+                num_warps=_NUM_WARPS,
+            )
+    metrics = torch.empty((len(METRIC_NAMES),), dtype=torch.float32, device=dev)
+    _launch_reduce(part, metrics, b, nt, t, loss_agg, loss_norm, False, _STATS)
+    # the reference's expression, on the metric scalars
+    loss = metrics[0] + kl_beta * metrics[1] if kl_beta != 0.0 else metrics[0].clone()
+    return loss, metrics
+
+
+def grpo_loss_backward(
+    grad: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    ratio_type: str,
+    loss_agg: str,
+    loss_norm: float,
+    kl_beta: float,
+    log_ratio_clamp: float,
+) -> torch.Tensor:
+    """``d loss / d logp`` [B, T] in ``logp.dtype`` for the upstream scalar gradient ``grad``.
+
+    Per token ``grad * (c_bt * (dpg_bt + kl_beta * dkl_bt))`` in fp32, one rounding; ``c_bt`` and
+    the sequence ratio (GSPO) come from the same fixed-order partials as the forward.
+    """
+    _rk._check_device(logp, "grpo_loss")
+    b, t = logp.shape
+    dev = logp.device
+    d_logp = torch.zeros((b, t), dtype=logp.dtype, device=dev)
+    if b == 0 or t == 0:
+        return d_logp
+    nt = triton.cdiv(t, BLOCK_T)
+    m8 = mask.view(torch.uint8)
+    seq_ratio = ratio_type == "sequence"
+    per_seq_mean = loss_agg == "seq-mean-token-mean"
+    denom_from_ptr = loss_norm == 0.0 and loss_agg != "seq-mean-token-sum-norm"
+    need_pre = seq_ratio or per_seq_mean or denom_from_ptr
+    pre = _prepass(logp, old_logp, m8, nt) if need_pre else None
+    denom = torch.ones((1,), dtype=torch.float32, device=dev)
+    if denom_from_ptr:
+        _launch_reduce(pre, denom, b, nt, t, loss_agg, 0.0, True, 2)
+    denom_const = float(loss_norm) if loss_norm != 0.0 else float(t)
+    g = grad.to(torch.float32).reshape(1)
+    rows = _rk.rows_per_program(dev)
+    with _rk._guard(logp):
+        _kernel("_grpo_bwd_kernel", dev)[(triton.cdiv(b, rows), nt)](
+            g,
+            denom,
+            logp,
+            old_logp,
+            advantages,
+            m8,
+            ref_logp if ref_logp is not None else logp,
+            is_weights if is_weights is not None else logp,
+            pre if pre is not None else denom,
+            d_logp,
+            b,
+            t,
+            nt,
+            *_common_args(logp, old_logp, advantages, m8, ref_logp, is_weights),
+            float(log_ratio_clamp),
+            1.0 - float(clip_low),
+            1.0 + float(clip_high),
+            float(dual_clip),
+            float(kl_beta),
+            denom_const,
+            SEQ_RATIO=seq_ratio,
+            HAS_DUAL=dual_clip != 0.0,
+            HAS_REF=ref_logp is not None,
+            HAS_W=is_weights is not None,
+            KL_TERM=kl_beta != 0.0 and ref_logp is not None,
+            PER_SEQ_MEAN=per_seq_mean,
+            DENOM_FROM_PTR=denom_from_ptr,
+            ROWS=rows,
+            BLOCK=BLOCK_T,
+            num_warps=_NUM_WARPS,
+        )
+    return d_logp
+
+
+PROVIDER = Provider(
+    op="grpo_loss",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics="grpo_loss/triton",
+    fn=grpo_loss,
+    version="1",
+    available=_rk._available,
+    extras={"backward": grpo_loss_backward},
+)
