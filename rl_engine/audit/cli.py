@@ -58,6 +58,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--configurations",
+        default="stock,rl_engine",
+        help="which configurations to run (comma separated: stock, rl_engine)",
+    )
+    p.add_argument(
         "--out", default="audit_out", help="folder for report.json, report.md, drift.png"
     )
     p.add_argument(
@@ -106,6 +111,15 @@ def _validate(
     if not batch_sizes or min(batch_sizes) < 1:
         raise AuditInputError(f"--batch-sizes {args.batch_sizes!r}: expected integers >= 1")
     args.batch_size_list = batch_sizes
+    configs = [c.strip() for c in args.configurations.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if not configs or unknown:
+        raise AuditInputError(
+            f"--configurations {args.configurations!r}: expected a subset of {', '.join(CONFIGS)}"
+        )
+    if args.gate and "rl_engine" not in configs:
+        raise AuditInputError("--gate needs the rl_engine configuration")
+    args.config_list = [c for c in CONFIGS if c in configs]
     if args.model is None:
         from rl_engine.testing.tiny_models import make_tiny_model
 
@@ -177,9 +191,9 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     env_train = _parse_env(args.trainer_env, "--trainer-env")
     progress = not args.no_progress
     results: dict[str, Any] = {}
-    steps = len(CONFIGS) * len(args.batch_size_list)
+    steps = len(args.config_list) * len(args.batch_size_list)
     step = 0
-    for name in CONFIGS:
+    for name in args.config_list:
         roll_all: list[list[float]] = []
         train_all: list[list[float]] = []
         prov_roll: list[dict[str, Any]] = []
@@ -272,6 +286,8 @@ def _say(msg: str) -> None:
 
 
 def _gate(report: dict[str, Any]) -> list[str]:
+    if "rl_engine" not in report["configurations"]:
+        return []
     cfg = report["configurations"]["rl_engine"]
     problems = []
     check = cfg["provenance"]["check"]

@@ -27,6 +27,8 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
         seed=cfg["seed"],
         logprobs_mode="processed_logprobs",
         max_model_len=cfg["max_model_len"],
+        max_num_batched_tokens=max(cfg["max_model_len"], 256),
+        kv_cache_memory_bytes=256 * 1024 * 1024,  # tiny models: do not reserve most of the RAM
     )
     params = SamplingParams(
         temperature=cfg["temperature"],
