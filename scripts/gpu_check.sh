@@ -5,6 +5,11 @@
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # everything
 #   SKIP_TESTS=1 bash scripts/gpu_check.sh            # benchmarks only
 #   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
+#   TESTS="tests/ops/test_attention.py" BENCHES="attention trainer" bash scripts/gpu_check.sh
+#   (TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
+#   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
+#
+# megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
 #
 # No install needed: the checkout goes on PYTHONPATH. What comes back from $OUT: pytest.log,
 # bench.log, results.tgz (benchmarks/results/<gpu>/) and summary.txt.
@@ -17,6 +22,10 @@ unset TRITON_INTERPRET
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 $PY - <<'PYEOF'
 import torch, triton
@@ -29,8 +38,9 @@ mkdir -p "$RES"
 
 status=0
 if [ "${SKIP_TESTS:-0}" = "0" ]; then
-  echo "== pytest tests/ops -m 'not slow' (CUDA) =="
-  $PY -m pytest tests/ops -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs \
+  TESTS=${TESTS:-tests/ops tests/invariance tests/adapters}
+  echo "== pytest $TESTS -m 'not slow' (CUDA) =="
+  timeout "${TEST_TIMEOUT:-3000}" $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs \
     2>&1 | tee "$OUT/pytest.log"
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
@@ -39,10 +49,15 @@ fi
 echo "== benchmarks =="
 : > "$OUT/bench.log"
 $PY benchmarks/bench_limits.py --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
-for b in benchmarks/bench_*.py; do
+if [ -n "${BENCHES:-}" ]; then
+  LIST=$(for n in $BENCHES; do echo "benchmarks/bench_$n.py"; done)
+else
+  LIST=$(ls benchmarks/bench_*.py)
+fi
+for b in $LIST; do
   [ "$b" = benchmarks/bench_limits.py ] && continue
   echo "-- $b" | tee -a "$OUT/bench.log"
-  $PY "$b" --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
+  timeout "${BENCH_TIMEOUT:-900}" $PY "$b" --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
     || { echo "FAILED: $b" | tee -a "$OUT/bench.log"; status=1; }
 done
 

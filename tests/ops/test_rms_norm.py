@@ -173,7 +173,9 @@ def test_weight_grad_order_and_zero_padding(backend):
 def test_strided_input(backend):
     x = torch.randn(40, 2 * 96)[::2, ::2]
     w = torch.randn(96)
-    assert_bitwise(rms_norm(x, w, backend=backend), rms_norm(x.contiguous(), w, backend=backend), "strided")
+    assert_bitwise(
+        rms_norm(x, w, backend=backend), rms_norm(x.contiguous(), w, backend=backend), "strided"
+    )
 
 
 def test_compile_matches_eager(backend):

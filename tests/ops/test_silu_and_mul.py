@@ -95,7 +95,9 @@ def test_row_invariance_dx(backend, dtype):
 
 def test_strided_input(backend):
     x = torch.randn(40, 2 * 2 * 48)[::2, ::2]
-    assert_bitwise(silu_and_mul(x, backend=backend), silu_and_mul(x.contiguous(), backend=backend), "strided")
+    assert_bitwise(
+        silu_and_mul(x, backend=backend), silu_and_mul(x.contiguous(), backend=backend), "strided"
+    )
 
 
 def test_compile_matches_eager(backend):
