@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import socket
 
 import torch
 
@@ -38,12 +36,6 @@ class _NoCudaRngTracker:
 
     def is_initialized(self) -> bool:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @functools.lru_cache(maxsize=32)
@@ -71,10 +63,9 @@ def install() -> None:
         tracker = _NoCudaRngTracker()
         tp.get_cuda_rng_tracker = lambda *a, **k: tracker
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # One process: an in-process store, so no TCP port is needed (and none can be raced for).
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
