@@ -24,13 +24,12 @@ there (the interpreter's bf16 ``tl.dot`` is wrong).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.attention import reference
 from rl_engine.registry import Provider
@@ -493,36 +492,13 @@ if triton is not None:
         tl.store(vc + offs_d[None, :], v, mask=msk)
 
 
-_interpreted: dict[str, Any] = {}
-
-
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
-    kern = globals()[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    if name not in _interpreted:
-        _interpreted[name] = InterpretedFunction(kern.fn)
-    return _interpreted[name]
+    """The JIT kernel ``name``, interpreted for CPU tensors."""
+    return _tr.interpreted(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(f"attention[triton]: triton is not importable ({_IMPORT_ERROR})")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                "attention[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"attention[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+    _tr.check_device("attention", t)
 
 
 def _check_interpreter_dtype(t: torch.Tensor) -> None:
@@ -533,10 +509,7 @@ def _check_interpreter_dtype(t: torch.Tensor) -> None:
         )
 
 
-def _guard(t: torch.Tensor) -> Any:
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:
@@ -812,21 +785,7 @@ def attention_bwd(
     return dq, dk, dv
 
 
-def _available(device: str, *, triton_interpret: bool) -> str | None:
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            return "no CUDA device is available"
-        return None
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+_available = _tr.available
 
 
 PROVIDER = Provider(

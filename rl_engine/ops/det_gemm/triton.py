@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.det_gemm.config import (
     WGRAD_CHUNK,
@@ -273,37 +273,13 @@ if triton is not None:
         tl.store(out_ptr + offs, total, mask=mask)
 
 
-_interpreted: dict[str, Any] = {}
-
-
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
-    kern = globals()[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    if name not in _interpreted:
-        _interpreted[name] = InterpretedFunction(kern.fn)
-    return _interpreted[name]
+    """The JIT kernel ``name``, interpreted for CPU tensors."""
+    return _tr.interpreted(globals()[name], device)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(f"det_gemm[triton]: triton is not importable ({_IMPORT_ERROR})")
-    dev = tensors[0].device
-    if dev.type == "cuda":
-        return
-    if dev.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                "det_gemm[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"det_gemm[triton]: tensors on {dev} are not supported (cuda or cpu)")
+    _tr.check_device("det_gemm", *tensors)
 
 
 def _needs_int64(*tensors: torch.Tensor) -> bool:
@@ -315,12 +291,7 @@ def _needs_int64(*tensors: torch.Tensor) -> bool:
     return False
 
 
-def _guard(t: torch.Tensor) -> Any:
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    import contextlib
-
-    return contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -557,21 +528,7 @@ def det_gemm_wgrad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return det_gemm_wgrad_with_plan(a, grad, split=None)
 
 
-def _available(device: str, *, triton_interpret: bool) -> str | None:
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            return "no CUDA device is available"
-        return None
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+_available = _tr.available
 
 
 PROVIDER = Provider(

@@ -27,12 +27,11 @@ CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``), a test v
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.ratio_kl.reference import _check
 from rl_engine.registry import Provider
@@ -290,39 +289,13 @@ if triton is not None:
         tl.store(d_old_ptr + o, (-d).to(d_old_ptr.dtype.element_ty), mask=inb)
 
 
-_interpreted: dict[str, Any] = {}
-
-
 def _kernel(name: str, device: torch.device, scope: dict[str, Any] | None = None) -> Any:
-    """The JIT kernel ``name`` of ``scope`` (default: this module), or (CPU tensors) its
-    interpreter version whatever the environment was at import time."""
-    kern = (globals() if scope is None else scope)[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    key = f"{kern.fn.__module__}.{name}"
-    if key not in _interpreted:
-        _interpreted[key] = InterpretedFunction(kern.fn)
-    return _interpreted[key]
+    """The JIT kernel ``name`` of ``scope`` (default: this module), interpreted for CPU tensors."""
+    return _tr.interpreted((globals() if scope is None else scope)[name], device)
 
 
 def _check_device(t: torch.Tensor, op: str = "ratio_kl") -> None:
-    """Raise unless ``t`` can run the Triton kernels (CUDA, or the CPU under the interpreter)."""
-    if triton is None:
-        raise RuntimeError(f"{op}[triton]: triton is not importable ({_IMPORT_ERROR})")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                f"{op}[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"{op}[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+    _tr.check_device(op, t)
 
 
 def rows_per_program(device: torch.device) -> int:
@@ -332,8 +305,7 @@ def rows_per_program(device: torch.device) -> int:
     return _INTERPRETER_ROWS if device.type == "cpu" else 1
 
 
-def _guard(t: torch.Tensor) -> Any:
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _mask_arg(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -561,19 +533,7 @@ def ratio_kl_backward(
     return d_lp, d_old
 
 
-def _available(device: str, *, triton_interpret: bool) -> str | None:
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+_available = _tr.available
 
 
 PROVIDER = Provider(

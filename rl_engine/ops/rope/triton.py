@@ -23,7 +23,6 @@ CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.rope.reference import _check, inv_freq_table
 from rl_engine.registry import Provider
@@ -179,22 +178,12 @@ if triton is not None:
             tl.store(out + ch[None, None, :], v, mask=cmask)
 
 
-_interpreted: dict[str, Any] = {}
 _tables: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
-    kern = globals()[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    if name not in _interpreted:
-        _interpreted[name] = InterpretedFunction(kern.fn)
-    return _interpreted[name]
+    """The JIT kernel ``name``, interpreted for CPU tensors."""
+    return _tr.interpreted(globals()[name], device)
 
 
 def _table(key: tuple[Any, ...], values: tuple[float, ...], device: torch.device) -> torch.Tensor:
@@ -207,22 +196,10 @@ def _table(key: tuple[Any, ...], values: tuple[float, ...], device: torch.device
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(f"rope[triton]: triton is not importable ({_IMPORT_ERROR})")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                "rope[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"rope[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+    _tr.check_device("rope", t)
 
 
-def _guard(t: torch.Tensor) -> Any:
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -> torch.Tensor:
@@ -306,19 +283,7 @@ def rope_backward(
     return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)
 
 
-def _available(device: str, *, triton_interpret: bool) -> str | None:
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+_available = _tr.available
 
 
 PROVIDER = Provider(
