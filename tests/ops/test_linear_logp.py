@@ -73,9 +73,13 @@ def _ref64(z64, tokens):
 def test_fusion_transparent(backend, chunks, dtype, vocab, temperature):
     hidden, weight, tokens = _inputs(11, 24, vocab, dtype)
     lp, ent = linear_logp(hidden, weight, tokens, temperature, True, backend=backend)
-    logits = det_gemm(hidden, weight.t())
-    assert_bitwise(lp, logp(logits, tokens, temperature), "linear_logp vs logp(det_gemm)")
-    assert_bitwise(ent, entropy(logits, temperature), "entropy vs entropy(det_gemm)")
+    logits = det_gemm(hidden, weight.t(), backend=backend)  # same provider family on both sides
+    assert_bitwise(
+        lp, logp(logits, tokens, temperature, backend=backend), "linear_logp vs logp(det_gemm)"
+    )
+    assert_bitwise(
+        ent, entropy(logits, temperature, backend=backend), "entropy vs entropy(det_gemm)"
+    )
     assert_bitwise(linear_logp(hidden, weight, tokens, temperature, backend=backend), lp, "no ent")
 
 
@@ -84,9 +88,9 @@ def test_fusion_transparent_large_vocab(backend, dtype):
     hidden, weight, tokens = _inputs(3, 16, 50257, dtype)  # GPT-2 vocab: 49 tiles + 81 columns
     tokens[0] = 50256
     lp, ent = linear_logp(hidden, weight, tokens, 0.9, True, backend=backend)
-    logits = det_gemm(hidden, weight.t())
-    assert_bitwise(lp, logp(logits, tokens, 0.9), "V=50257 logp")
-    assert_bitwise(ent, entropy(logits, 0.9), "V=50257 entropy")
+    logits = det_gemm(hidden, weight.t(), backend=backend)
+    assert_bitwise(lp, logp(logits, tokens, 0.9, backend=backend), "V=50257 logp")
+    assert_bitwise(ent, entropy(logits, 0.9, backend=backend), "V=50257 entropy")
 
 
 # ------------------------------------------------------------------ numerics
@@ -100,7 +104,7 @@ def test_numerics_vs_float64(backend, dtype, shape, temperature):
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (t,)
     rtol, atol = FP32_OUT
     # the contract: logp of the logits rounded to hidden.dtype, computed exactly
-    logits = det_gemm(hidden, weight.t())
+    logits = det_gemm(hidden, weight.t(), backend=backend)
     lp64, ent64 = _ref64(logits.double() / temperature, tokens)
     assert_close(lp, lp64, rtol=rtol, atol=atol, what="logp vs fp64 of det_gemm logits")
     assert_close(ent, ent64, rtol=rtol, atol=atol, what="entropy vs fp64 of det_gemm logits")
@@ -116,13 +120,13 @@ def test_numerics_vs_float64(backend, dtype, shape, temperature):
     assert_close(ent, ent64, rtol=rtol, atol=atol, what="entropy end to end")
 
 
-def _grads64(hidden, weight, tokens, temperature, g_lp, g_ent):
+def _grads64(hidden, weight, tokens, temperature, g_lp, g_ent, backend="native"):
     """float64 (dhidden, dweight); logits rounded to ``dtype`` as the forward does."""
     h64 = hidden.double().requires_grad_(True)
     w64 = weight.double().requires_grad_(True)
     z = h64 @ w64.t()
     # keep the forward's rounding of the logits (not differentiated: straight-through)
-    z = z + (det_gemm(hidden, weight.t()).double() - z).detach()
+    z = z + (det_gemm(hidden, weight.t(), backend=backend).double() - z).detach()
     lp, ent = _ref64(z / temperature, tokens)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     return h64.grad, w64.grad
@@ -139,7 +143,9 @@ def test_grads_vs_float64(backend, chunks, dtype, temperature):
     lp, ent = linear_logp(hi, wi, tokens, temperature, True, backend=backend)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     assert hi.grad.dtype == wi.grad.dtype == dtype
-    dh64, dw64 = _grads64(hidden, weight, tokens, temperature, g_lp.double(), g_ent.double())
+    dh64, dw64 = _grads64(
+        hidden, weight, tokens, temperature, g_lp.double(), g_ent.double(), backend
+    )
     rtol, atol = tolerance(dtype, grad=True)
     assert_close(hi.grad, dh64, rtol=rtol, atol=atol, what="dhidden")
     assert_close(wi.grad, dw64, rtol=rtol, atol=atol, what="dweight")
@@ -154,7 +160,7 @@ def test_logp_only_grads(backend, return_entropy):
     out = linear_logp(hi, wi, tokens, 1.2, return_entropy, backend=backend)
     assert isinstance(out, tuple) == return_entropy
     (out[0] if return_entropy else out).backward(g)
-    dh64, dw64 = _grads64(hidden, weight, tokens, 1.2, g.double(), 0.0)
+    dh64, dw64 = _grads64(hidden, weight, tokens, 1.2, g.double(), 0.0, backend)
     rtol, atol = tolerance(torch.float32, grad=True)
     assert_close(hi.grad, dh64, rtol=rtol, atol=atol, what="dhidden")
     assert_close(wi.grad, dw64, rtol=rtol, atol=atol, what="dweight")
@@ -284,7 +290,8 @@ def test_compile_matches_eager(backend):
         fullgraph=True,
         backend="eager",
     )
-    for x, y in zip(f(hidden, weight, tokens), linear_logp(hidden, weight, tokens, 0.8, True)):
+    eager = linear_logp(hidden, weight, tokens, 0.8, True, backend=backend)
+    for x, y in zip(f(hidden, weight, tokens), eager):
         assert_bitwise(x, y, "compile vs eager")
 
 

@@ -137,3 +137,9 @@ def self_test(device: str) -> None:
 
         check_row_invariance(lambda r: entropy(r, 0.7), x, counts=(1, 17), what="entropy")
         check_row_invariance(dx, x, counts=(1, 17), what=f"entropy dlogits {dtype}")
+
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.entropy import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)

@@ -228,3 +228,9 @@ def self_test(device: str) -> None:
             return linear_logp(rows, w, t, 0.7)
 
         check_row_invariance(fwd, h, counts=(1, 17), what=f"linear_logp {dtype}")
+
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.linear_logp import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)

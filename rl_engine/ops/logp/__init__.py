@@ -148,3 +148,9 @@ def self_test(device: str) -> None:
 
         check_row_invariance(fwd, x, counts=(1, 17), what=f"logp {dtype}")
         check_row_invariance(dx, x, counts=(1, 17), what=f"logp dlogits {dtype}")
+
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.logp import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)

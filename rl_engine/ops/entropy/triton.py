@@ -1,0 +1,81 @@
+"""``triton`` provider of ``entropy``: the shared Triton vocabulary reduction of ``logp``.
+
+Numerics (family ``entropy/triton-v1024``): exactly the kernels of
+:mod:`rl_engine.ops.logp.triton` (same tiles, same lane sums, same segment combination, so the
+same ``lse`` bits as ``logp``'s ``triton`` provider), which also keep
+``u = sum_j exp(z_j - m) (z_j - m)`` with the same rescaling; ``entropy = log(s) - u / s``.
+Backward: ``dlogits = grad * (-p * (z - lse + entropy)) / temperature`` (elementwise, ``p = 0``
+columns give 0), one rounding to ``logits.dtype``. Row invariant, bitwise run to run. Not
+promised: identity with the ``native`` family, across GPU models or Triton versions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.entropy import reference
+from rl_engine.ops.logp.triton import (
+    NUMERICS,
+    available,
+    check_device,
+    vocab_backward,
+    vocab_forward,
+)
+from rl_engine.registry import Provider
+
+__all__ = ["PROVIDER", "entropy", "entropy_backward", "entropy_forward"]
+
+
+def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`."""
+    reference._check(logits, temperature)
+    check_device(logits, "entropy")
+    _, ent, lse = vocab_forward(logits, None, temperature, with_entropy=True)
+    assert ent is not None
+    return ent, lse
+
+
+def entropy_backward(
+    logits: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor:
+    """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype`` [T, V]."""
+    check_device(logits, "entropy")
+    return vocab_backward(
+        logits,
+        temperature,
+        lse.float().contiguous(),
+        entropy=entropy.float().contiguous(),
+        grad_entropy=grad,
+    )
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Batch-invariant entropy of ``softmax(logits / temperature)`` per row, in Triton.
+
+    Args:
+        logits: [T, V] float32 / bfloat16 / float16, any strides.
+        temperature: Python float > 0.
+
+    Returns:
+        fp32 [T] (nats).
+    """
+    return entropy_forward(logits, temperature)[0]
+
+
+PROVIDER = Provider(
+    op="entropy",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics=f"entropy/{NUMERICS}",
+    fn=entropy,
+    version="1",
+    available=available,
+    extras={"forward": entropy_forward, "backward": entropy_backward},
+)

@@ -1,0 +1,237 @@
+"""``triton`` provider of ``linear_logp``: Triton LM-head GEMM + the shared Triton vocabulary
+reduction, chunk by chunk, never holding [T, V] logits.
+
+Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``):
+
+* **Forward.** Tokens in chunks of ``TOKEN_CHUNK = 512`` rows. For each chunk, the logits
+  ``det_gemm(hidden[rows], weight.t())`` in ``hidden.dtype`` through the Triton ``det_gemm``
+  provider (row and column invariant: they equal the matching rows of the full product), then
+  the vocabulary reduction of :mod:`rl_engine.ops.logp.triton` on them (row invariant). Hence,
+  bitwise and whatever the chunk size::
+
+      linear_logp(h, W, t, T) == logp(det_gemm(h, W.t()), t, T)      # both Triton families
+      entropy part            == entropy(det_gemm(h, W.t()), T)
+
+  The chunk's logits are the only large temporary: 512 x V in ``hidden.dtype`` (bf16,
+  V = 151936: 156 MB, 3.1% of the fp32 [8192, V] logits).
+* **Backward.** The vocabulary in slices of ``VOCAB_SLICE = 16384`` columns (outer loop, in
+  order) and the tokens in chunks of ``BWD_TOKEN_CHUNK = 8192`` rows (inner loop, in order).
+  For each block: the logits are recomputed with the same ``det_gemm`` (column invariant, so the
+  same bits as the forward's), ``dlogits`` are formed **in place** by the shared backward kernel
+  (``logp``'s and ``entropy``'s formulas, from the forward's ``lse`` / ``entropy``) and rounded
+  to ``hidden.dtype`` (fp32 for fp32 inputs), then
+
+  - ``dweight[slice] = det_gemm_wgrad(dlogits, hidden[rows])`` (fp32; inside, tokens in
+    ``WGRAD_CHUNK``-row chunks added in order), token-chunk results added in token order in
+    fp32, one rounding to ``weight.dtype``: deterministic, zero-padding invariant (zero rows
+    add exact zeros). For T <= 8192 this is exactly ``det_gemm``'s own weight gradient of the
+    unfused ``det_gemm`` backward given the same dlogits.
+  - ``dhidden[rows] += det_gemm_wgrad(dlogits.t(), weight[slice])`` (fp32 ``dlogits @ W``;
+    the vocabulary reduced in ``WGRAD_CHUNK``-column chunks in order), slice results added in
+    vocabulary order in fp32, one rounding to ``hidden.dtype``: row invariant (row t of each
+    term depends on row t only), no [T, V] and no bf16 rounding of vocabulary partials.
+
+  Peak extra memory of the backward: one [BWD_TOKEN_CHUNK, VOCAB_SLICE] block in
+  ``hidden.dtype`` (bf16: 268 MB), fp32 [T, H] for dhidden (plus one [chunk, H] partial) and
+  fp32 [VOCAB_SLICE, H] for a dweight slice (plus its partial). None of it is [T, V].
+
+Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
+accumulates in fp32 across vocabulary chunks); identity with the ``native`` family, across GPU
+models or Triton versions. On the CPU the kernels run in the Triton interpreter
+(``TRITON_INTERPRET=1``): a test vehicle whose bits are not the GPU's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.det_gemm import triton as _gemm
+from rl_engine.ops.linear_logp import reference
+from rl_engine.ops.logp import triton as _vocab
+from rl_engine.ops.logp.reference import check_token_range
+from rl_engine.registry import Provider
+
+__all__ = [
+    "BWD_TOKEN_CHUNK",
+    "PROVIDER",
+    "TOKEN_CHUNK",
+    "VOCAB_SLICE",
+    "linear_logp",
+    "linear_logp_backward",
+    "linear_logp_forward",
+]
+
+# Forward token chunk: no effect on the bits (row-invariant GEMM and reduction); memory only.
+TOKEN_CHUNK = 512
+# Backward blocks. VOCAB_SLICE is numerics of dhidden (fp32 partials over vocabulary slices),
+# BWD_TOKEN_CHUNK numerics of dweight (fp32 partials over token chunks); both fixed numbers,
+# never derived from the token count.
+BWD_TOKEN_CHUNK = 8192
+VOCAB_SLICE = 16 * _vocab.VOCAB_TILE
+
+NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_vocab.NUMERICS}]"
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``det_gemm(h, w.t())`` through the Triton det_gemm provider, in ``h.dtype``."""
+    return _gemm.det_gemm(h, w.t())
+
+
+def linear_logp_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``."""
+    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    _vocab.check_device(hidden, "linear_logp")
+    check_token_range(tokens, weight.shape[0])
+    if TOKEN_CHUNK <= 0:
+        raise ValueError(f"linear_logp[triton]: TOKEN_CHUNK ({TOKEN_CHUNK}) must be positive")
+    n = hidden.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    out_lp = torch.empty(n, dtype=f32, device=dev)
+    out_lse = torch.empty(n, dtype=f32, device=dev)
+    out_ent = torch.empty(n if return_entropy else 0, dtype=f32, device=dev)
+    tok = tokens.long()
+    for r0 in range(0, n, TOKEN_CHUNK):
+        sl = slice(r0, r0 + TOKEN_CHUNK)
+        logits = _logits(hidden[sl], weight)
+        _vocab.vocab_forward(
+            logits,
+            tok[sl],
+            temperature,
+            with_entropy=return_entropy,
+            out_logp=out_lp[sl],
+            out_ent=out_ent[sl] if return_entropy else None,
+            out_lse=out_lse[sl],
+        )
+        del logits
+    return out_lp, out_ent, out_lse
+
+
+def linear_logp_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    need_dhidden: bool,
+    need_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dhidden, dweight)`` in the inputs' dtypes (empty [0] where not needed).
+
+    ``grad_logp`` / ``grad_entropy`` are the upstream gradients [T] (``None``: zero);
+    ``entropy`` is the forward's entropy (used only with ``grad_entropy``).
+    """
+    _vocab.check_device(hidden, "linear_logp")
+    if BWD_TOKEN_CHUNK <= 0 or VOCAB_SLICE <= 0:
+        raise ValueError(
+            f"linear_logp[triton]: BWD_TOKEN_CHUNK ({BWD_TOKEN_CHUNK}) and VOCAB_SLICE "
+            f"({VOCAB_SLICE}) must be positive"
+        )
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    no_grad = grad_logp is None and grad_entropy is None
+    if no_grad or n == 0 or not (need_dhidden or need_dweight):
+        dh = torch.zeros(hidden.shape if need_dhidden else 0, dtype=hidden.dtype, device=dev)
+        dw = torch.zeros(weight.shape if need_dweight else 0, dtype=weight.dtype, device=dev)
+        return dh, dw
+    tok = tokens.long()
+    lse = lse.float().contiguous()
+    gl = grad_logp.float().contiguous() if grad_logp is not None else None
+    ge = grad_entropy.float().contiguous() if grad_entropy is not None else None
+    ent = entropy.float().contiguous() if grad_entropy is not None else None
+    dh_acc = torch.empty(hidden.shape, dtype=f32, device=dev) if need_dhidden else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
+    for v0 in range(0, vocab, VOCAB_SLICE):  # vocabulary slices, in order
+        w = weight[v0 : v0 + VOCAB_SLICE]
+        dw_slice = None
+        for r0 in range(0, n, BWD_TOKEN_CHUNK):  # token chunks, in order
+            sl = slice(r0, r0 + BWD_TOKEN_CHUNK)
+            h = hidden[sl]
+            block = _logits(h, w)  # [rows, slice] in hidden.dtype: the forward's bits
+            _vocab.vocab_backward(
+                block,
+                temperature,
+                lse[sl],
+                tokens=tok[sl] if gl is not None else None,
+                grad_logp=gl[sl] if gl is not None else None,
+                entropy=ent[sl] if ent is not None else None,
+                grad_entropy=ge[sl] if ge is not None else None,
+                col0=v0,
+                out=block,  # in place: block now holds dlogits
+            )
+            if dw is not None:
+                part = _gemm.det_gemm_wgrad(block, h)  # fp32 [slice, H]
+                dw_slice = part if dw_slice is None else dw_slice.add_(part)
+                del part
+            if dh_acc is not None:
+                part = _gemm.det_gemm_wgrad(block.t(), w)  # fp32 [rows, H] = dlogits @ w
+                if v0 == 0:
+                    dh_acc[sl] = part
+                else:
+                    dh_acc[sl] += part
+                del part
+            del block
+        if dw is not None:
+            assert dw_slice is not None
+            dw[v0 : v0 + VOCAB_SLICE] = dw_slice.to(weight.dtype)
+            del dw_slice
+    dh = dh_acc.to(hidden.dtype) if dh_acc is not None else hidden.new_empty(0)
+    return dh, (dw if dw is not None else weight.new_empty(0))
+
+
+def linear_logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LM-head token log-probabilities in Triton without materialising the logits.
+
+    Bitwise equal to ``logp(det_gemm(hidden, weight.t()), tokens, temperature)`` (and the
+    entropy to ``entropy(det_gemm(hidden, weight.t()), temperature)``) with the ``triton``
+    providers of those ops; see the module docstring.
+
+    Args:
+        hidden: [T, H] float32 / bfloat16 / float16.
+        weight: [V, H] same dtype (the LM head as stored).
+        tokens: [T] int64 / int32 ids in ``[0, V)``.
+        temperature: Python float > 0.
+        return_entropy: also return the entropy [T].
+
+    Returns:
+        ``logp`` fp32 [T], or ``(logp, entropy)`` when ``return_entropy``.
+    """
+    lp, ent, _ = linear_logp_forward(hidden, weight, tokens, temperature, return_entropy)
+    return (lp, ent) if return_entropy else lp
+
+
+def _available(device: str, *, triton_interpret: bool) -> str | None:
+    return _vocab.available(device, triton_interpret=triton_interpret) or _gemm.PROVIDER.why_not(
+        device, triton_interpret=triton_interpret
+    )
+
+
+PROVIDER = Provider(
+    op="linear_logp",
+    name="triton",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics=NUMERICS,
+    fn=linear_logp,
+    version="1",
+    available=_available,
+    extras={"forward": linear_logp_forward, "backward": linear_logp_backward},
+)
