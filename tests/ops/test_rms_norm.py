@@ -196,6 +196,16 @@ def test_opcheck():
     torch.library.opcheck(ops.rms_norm_wgrad.default, (g, x.detach(), EPS, "native"))
 
 
+def test_fused_backward_is_a_provider_capability():
+    """triton has the one-pass backward; native does not (its autograd runs rms_norm_dx and
+    rms_norm_wgrad), and the fused backward op asked of native names the reason."""
+    assert "backward" in KernelRegistry.provider("rms_norm", "triton").extras
+    assert "backward" not in KernelRegistry.provider("rms_norm", "native").extras
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(NotImplementedError, match="no fused backward"):
+        torch.ops.rl_engine.rms_norm_backward(x, x, w, None, EPS, "native")
+
+
 def test_default_resolution_and_stock_audit_only():
     assert KernelRegistry.get_op("rms_norm", device="cpu").provider.name == "native"
     x, w = torch.randn(4, 8), torch.randn(8)

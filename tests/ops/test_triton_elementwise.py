@@ -82,7 +82,7 @@ def test_triton_is_default_on_gpu():
 def test_configs_depend_on_hidden_size_only():
     for h in (1, 16, 72, 128, 760, 1128, 2048, 4096, 8192, 16384, 65536):
         c = rms_triton.get_config(h)
-        assert c.block_h >= h and c.wgrad_chunk % c.wgrad_rows == 0 and c.rows >= 1
+        assert c.block_h >= h and c.wgrad_chunk % c.rows == 0 and c.rows >= 1
     with pytest.raises(ValueError, match="hidden size"):
         rms_triton.get_config(rms_triton.MAX_HIDDEN + 1)
     assert silu_triton.get_config(14336).block_d <= 2048
@@ -173,16 +173,18 @@ def test_rms_norm_row_invariance_fused_forward(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("wgrad", [False, True])  # True: the fused one-pass backward runs
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_row_invariance_dx(dtype, fused):
-    w = _rand(200, dtype=dtype)
+def test_rms_norm_row_invariance_dx(dtype, fused, wgrad):
+    w0 = _rand(200, dtype=dtype)
     x, res = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
     gy, gs = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
 
     def dx(idx):
         i = idx.long()
         xi = x[i].clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(wgrad)
         if fused:
             y, s = rms_norm(xi, w, EPS, res[i], backend=B)
             torch.autograd.backward([y, s], [gy[i], gs[i]])
@@ -191,7 +193,7 @@ def test_rms_norm_row_invariance_dx(dtype, fused):
         return xi.grad
 
     check_row_invariance(
-        dx, torch.arange(150.0, device=DEVICE), counts=COUNTS, what=f"dX fused={fused}"
+        dx, torch.arange(150.0, device=DEVICE), counts=COUNTS, what=f"dX {fused=} {wgrad=}"
     )
 
 
@@ -239,6 +241,109 @@ def test_rms_norm_wgrad_chunks_and_zero_padding(h):
 
 
 @needs_triton
+@pytest.mark.parametrize("h", [24, 200, 2048])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fused_backward_equals_separate_extras(dtype, h):
+    """The one-pass backward gives the bits of the dX and wgrad kernels (several chunks)."""
+    m = rms_triton.get_config(h).wgrad_chunk + 7 if h == 2048 else 77
+    g = torch.Generator().manual_seed(3)
+    x, gy, gs = (_rand(m, h, dtype=dtype, gen=g) for _ in range(3))
+    w = _rand(h, dtype=dtype, gen=g)
+    dx, dw = rms_triton.rms_norm_backward(gy, x, w, EPS)
+    assert dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == (h,)
+    assert_bitwise(dx, rms_triton.rms_norm_dx(gy, x, w, EPS), "fused backward dx vs dx kernel")
+    assert_bitwise(dw, rms_triton.rms_norm_wgrad(gy, x, EPS), "fused backward dW vs wgrad")
+    ds, dw2 = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
+    assert_bitwise(ds, rms_triton.rms_norm_dx(gy, x, w, EPS) + gs, "dx + grad_sum")
+    assert_bitwise(dw2, dw, "dW with grad_sum")
+    dx3, dw3 = rms_triton.rms_norm_backward(gy.reshape(1, m, h), x.reshape(1, m, h), w, EPS)
+    assert dx3.shape == (1, m, h)
+    assert_bitwise(dx3.reshape(m, h), dx, "3-d dx")
+    assert_bitwise(dw3, dw, "3-d dW")
+
+
+@needs_triton
+def test_rms_norm_fused_backward_without_prefetch(monkeypatch):
+    """Tiles too large to double-buffer (H > 8192) load in place: the same bits."""
+    x, gy, gs = (_rand(40, 96, dtype=torch.float16) for _ in range(3))
+    w = _rand(96, dtype=torch.float16)
+    want = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
+    monkeypatch.setattr(rms_triton, "_PREFETCH_MAX_TILE", 0)
+    got = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
+    assert_bitwise(got[0], want[0], "dx without prefetch")
+    assert_bitwise(got[1], want[1], "dW without prefetch")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fused_backward_numerics(dtype):
+    m, h = 45, 200
+    x, gy, gs = (_rand(m, h, dtype=dtype) for _ in range(3))
+    w = _rand(h, dtype=dtype)
+    ds, dw = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
+    x64 = x.double().requires_grad_(True)
+    w64 = w.double().requires_grad_(True)
+    _rms64(x64, w64).backward(gy.double())
+    rtol, atol = tolerance(dtype, grad=True)
+    assert_close(ds, x64.grad + gs.double(), rtol=rtol, atol=atol, what="fused bwd dx + gs")
+    assert_close(dw, w64.grad, rtol=rtol, atol=atol * m**0.5, what="fused bwd dW")
+
+
+@needs_triton
+@pytest.mark.parametrize("h", [24, 2048])
+def test_rms_norm_fused_backward_zero_padding(h):
+    """Appended zero rows: dW bitwise unchanged, dx of the real rows unchanged, zero dx rows."""
+    chunk = rms_triton.get_config(h).wgrad_chunk
+    m = chunk + 7 if h == 2048 else 50
+    x, gy = _rand(m, h, dtype=torch.float32), _rand(m, h, dtype=torch.float32)
+    w = _rand(h, dtype=torch.float32)
+    dx, dw = rms_triton.rms_norm_backward(gy, x, w, EPS)
+    again = rms_triton.rms_norm_backward(gy, x, w, EPS)
+    assert_bitwise(again[0], dx, "dx run-to-run")
+    assert_bitwise(again[1], dw, "dW run-to-run")
+    for pad in (1, chunk - 7, chunk + 3):
+        z = torch.zeros(pad, h, device=DEVICE)
+        dxp, dwp = rms_triton.rms_norm_backward(torch.cat([gy, z]), torch.cat([x, z]), w, EPS)
+        assert_bitwise(dwp, dw, f"dW with {pad} zero rows")
+        assert_bitwise(dxp[:m], dx, f"dx with {pad} zero rows")
+        assert not dxp[m:].any()
+
+
+@needs_triton
+def test_rms_norm_fused_backward_shape_errors():
+    x, w = _rand(4, 8, dtype=torch.float32), _rand(8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="grad shape"):
+        rms_triton.rms_norm_backward(_rand(4, 9, dtype=torch.float32), x, w, EPS)
+    with pytest.raises(ValueError, match="grad_sum shape"):
+        rms_triton.rms_norm_backward(x, x, w, EPS, _rand(3, 8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_triton.rms_norm_backward(x, x, _rand(9, dtype=torch.float32), EPS)
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_autograd_uses_fused_backward(monkeypatch, fused):
+    """Input and weight gradients: one fused backward op; one gradient: the separate op."""
+    calls = []
+    extras = rms_triton.PROVIDER.extras
+    for name in ("dx", "wgrad", "backward"):
+        fn = extras[name]
+        monkeypatch.setitem(extras, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
+    x0, r0 = _rand(9, 40, dtype=torch.float32), _rand(9, 40, dtype=torch.float32)
+    w0, gy = _rand(40, dtype=torch.float32), _rand(9, 40, dtype=torch.float32)
+    got = {}
+    for need in ("both", "x", "w"):
+        x = x0.clone().requires_grad_(need != "w")
+        w = w0.clone().requires_grad_(need != "x")
+        y = rms_norm(x, w, EPS, r0, backend=B)[0] if fused else rms_norm(x, w, EPS, backend=B)
+        y.backward(gy)
+        got[need] = (x.grad, w.grad)
+    assert calls == ["backward", "dx", "wgrad"]
+    assert_bitwise(got["both"][0], got["x"][0], "dx: fused backward vs dx op")
+    assert_bitwise(got["both"][1], got["w"][1], "dW: fused backward vs wgrad op")
+
+
+@needs_triton
 def test_rms_norm_strided_input():
     x = _rand(40, 2 * 96, dtype=torch.float32)[::2, ::2]
     w = _rand(96, dtype=torch.float32)
@@ -265,6 +370,18 @@ def test_rms_norm_opcheck():
     torch.library.opcheck(ops.fused_add_rms_norm.default, (x, r, w, EPS, B))
     torch.library.opcheck(ops.rms_norm_dx.default, (g, x, w, EPS, B))
     torch.library.opcheck(ops.rms_norm_wgrad.default, (g, x, EPS, B))
+    torch.library.opcheck(ops.rms_norm_backward.default, (g, x, w, None, EPS, B))
+    torch.library.opcheck(ops.rms_norm_backward.default, (g, x, w, r, EPS, B))
+    torch.library.opcheck(
+        ops.fused_add_rms_norm.default,
+        (
+            x.clone().requires_grad_(),
+            r.clone().requires_grad_(),
+            w.clone().requires_grad_(),
+            EPS,
+            B,
+        ),
+    )
 
 
 @needs_triton
@@ -277,6 +394,30 @@ def test_rms_norm_compile_matches_eager():
     )
     for got, want, n in zip(f(x, r, w), rms_norm(x, w, EPS, r, backend=B), "ys"):
         assert_bitwise(got, want, f"compile vs eager {n}")
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_compile_backward_matches_eager(fused):
+    """The autograd's fused backward op traced by AOTAutograd (fake impl) and run compiled."""
+    x0, r0 = _rand(9, 32, dtype=torch.float32), _rand(9, 32, dtype=torch.float32)
+    w0, gy = _rand(32, dtype=torch.float32), _rand(9, 32, dtype=torch.float32)
+
+    def loss(x, w):
+        if fused:
+            y, s = rms_norm(x, w, EPS, r0, backend=B)
+            return (y * gy).sum() + (s * r0).sum()
+        return (rms_norm(x, w, EPS, backend=B) * gy).sum()
+
+    def grads(fn):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        fn(x, w).backward()
+        return x.grad, w.grad
+
+    backend = "inductor" if ON_GPU else "aot_eager"
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    for got, want, n in zip(grads(compiled), grads(loss), ("dx", "dw")):
+        assert_bitwise(got, want, f"compiled backward vs eager {n}")
 
 
 # ============================================================================ silu_and_mul
@@ -444,6 +585,28 @@ def test_gpu_rms_norm_large_bf16(h):
     assert_bitwise(rms_triton.rms_norm_wgrad(g, x, EPS), dw, "dW run-to-run")
     z = torch.zeros(333, h, device="cuda", dtype=dtype)
     assert_bitwise(rms_triton.rms_norm_wgrad(torch.cat([g, z]), torch.cat([x, z]), EPS), dw, "pad")
+    # the one-pass backward: the bits of the separate kernels, zero-padding invariant dW
+    dxf, dwf = rms_triton.rms_norm_backward(g, x, w, EPS)
+    assert_bitwise(dxf, rms_triton.rms_norm_dx(g, x, w, EPS), "fused backward dx")
+    assert_bitwise(dwf, dw, "fused backward dW")
+    dsf, _ = rms_triton.rms_norm_backward(g, s, w, EPS, res)
+    assert_bitwise(dsf, rms_triton.rms_norm_dx(g, s, w, EPS) + res, "fused backward dx + gs")
+    dxp, dwp = rms_triton.rms_norm_backward(torch.cat([g, z]), torch.cat([x, z]), w, EPS)
+    assert_bitwise(dwp, dw, "fused backward dW, zero rows")
+    assert_bitwise(dxp[:4099], dxf, "fused backward dx, zero rows")
+
+    def dx_rows(idx):
+        i = idx.long()
+        xi, wi = x[i].clone().requires_grad_(True), w.clone().requires_grad_(True)
+        rms_norm(xi, wi, EPS, backend=B).backward(g[i])
+        return xi.grad
+
+    check_row_invariance(
+        dx_rows,
+        torch.arange(4099.0, device="cuda"),
+        counts=(1, 17, 255, 256, 257, 2048),
+        what="autograd dX (fused backward)",
+    )
 
 
 @gpu

@@ -6,10 +6,18 @@ Custom ops:
 * ``rl_engine::fused_add_rms_norm(x, residual, weight, eps, provider) -> (y, x + residual)``
 * ``rl_engine::rms_norm_dx(grad, r, weight, eps, provider) -> dr`` (row invariant)
 * ``rl_engine::rms_norm_wgrad(grad, r, eps, provider) -> dweight`` (fp32, fixed row order)
+* ``rl_engine::rms_norm_backward(grad, r, weight, grad_sum, eps, provider) -> (dr, dweight)``:
+  both gradients from one pass (``dr`` includes ``+ grad_sum`` when given), for providers with
+  the ``"backward"`` extra; bitwise equal to the two separate ops.
 
 Backward of the fused op: ``ds = rms_norm_dx(grad_y, s) + grad_s`` (the add in ``x.dtype``, as
 autograd accumulates the unfused composition), ``dx = dresidual = ds``; so the fused op and
 ``(rms_norm(x + residual), x + residual)`` agree bitwise forward and backward.
+
+Which backward ops the autograd runs is a capability of the provider, not a numerics choice:
+when both the input and the weight need a gradient and the provider has the ``"backward"``
+extra (triton), one fused op; otherwise (``native``, or one gradient only) ``rms_norm_dx`` and /
+or ``rms_norm_wgrad``. The provider promises equal bits either way (tested).
 """
 
 from __future__ import annotations
@@ -77,6 +85,37 @@ def _(grad, r, eps, provider):
     return torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device)
 
 
+@torch.library.custom_op("rl_engine::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor,
+    grad_sum: torch.Tensor | None,
+    eps: float,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    prov = _prov(provider)
+    if "backward" not in prov.extras:
+        raise NotImplementedError(
+            f"rms_norm: provider {provider!r} has no fused backward; use rms_norm_dx and "
+            "rms_norm_wgrad"
+        )
+    dx, dw = prov.extras["backward"](grad, r, weight, eps, grad_sum)
+    return dx.contiguous(), dw
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad, r, weight, grad_sum, eps, provider):
+    return (
+        torch.empty(r.shape, dtype=r.dtype, device=r.device),
+        torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device),
+    )
+
+
+def _has_fused_backward(provider: str) -> bool:
+    return "backward" in _prov(provider).extras
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, eps, provider = inputs
     ctx.save_for_backward(x, weight)
@@ -87,6 +126,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
     grad = grad.to(x.dtype)
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and _has_fused_backward(ctx.provider):
+        dx, dw = _rms_norm_backward_op(grad, x, weight, None, ctx.eps, ctx.provider)
+        return dx, dw.to(weight.dtype), None, None
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = _rms_norm_dx_op(grad, x, weight, ctx.eps, ctx.provider)
@@ -108,11 +150,16 @@ def _fused_setup_context(ctx, inputs, output):
 def _fused_backward(ctx, grad_y, grad_s):
     s, weight = ctx.saved_tensors
     ds = dw = None
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+    need_ds = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    if need_ds and ctx.needs_input_grad[2] and _has_fused_backward(ctx.provider):
+        gs = grad_s.to(s.dtype) if grad_s is not None else None
+        ds, dw = _rms_norm_backward_op(grad_y.to(s.dtype), s, weight, gs, ctx.eps, ctx.provider)
+        dw = dw.to(weight.dtype)
+    elif need_ds:
         ds = _rms_norm_dx_op(grad_y.to(s.dtype), s, weight, ctx.eps, ctx.provider)
         if grad_s is not None:
             ds = ds + grad_s.to(s.dtype)
-    if ctx.needs_input_grad[2]:
+    if ctx.needs_input_grad[2] and dw is None:
         dw = _rms_norm_wgrad_op(grad_y.to(s.dtype), s, ctx.eps, ctx.provider).to(weight.dtype)
     dx = ds if ctx.needs_input_grad[0] else None
     dres = ds if ctx.needs_input_grad[1] else None

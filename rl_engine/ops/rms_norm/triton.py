@@ -16,12 +16,24 @@ beyond the end are masked and never mix with real rows: a row's output depends o
 stores it; ``rms_norm(x + residual)`` reads the same bits back, so fused == unfused bitwise.
 
 Backward: ``dx = ((g - n * (tl.sum(g * n) / H)) * rstd).to(r.dtype)`` with ``n = x32 * rstd``,
-``g = grad.float() * weight.float()`` (row invariant, the same tree as the forward). Weight
+``g = grad.float() * weight.float()`` (row invariant; ``rstd`` recomputed from ``r``). Weight
 gradient (fp32): rows in chunks of ``wgrad_chunk`` rows (fixed per H, see the table); inside a
-chunk, groups of ``wgrad_rows`` consecutive rows are summed by a fixed tree and the group sums are
-added in row order into a fresh fp32 partial; the chunk partials are then added in chunk (row)
-order by a second kernel. No count of SMs or of rows enters: deterministic, and appending zero
-rows only adds exact zeros (zero-padding invariant).
+chunk, tiles of ``rows`` consecutive rows (the dX tile) are summed by a fixed tree and the tile
+sums are added in row order into a fresh fp32 partial; the chunk partials are then added in chunk
+(row) order by a second kernel. No count of SMs or of rows enters: deterministic, and appending
+zero rows only adds exact zeros (zero-padding invariant).
+
+The autograd runs the fused backward (:func:`rms_norm_backward`, extra ``"backward"``): one
+program per chunk walks its tiles, computes dX of each tile exactly as the dX kernel does (same
+tile, warps and expressions) and adds the tile into the chunk's partial, so ``r`` and ``grad``
+are read once (three passes over [M, H] instead of five). For the fused residual op it also adds
+the gradient of ``x + residual`` (16-bit dtypes; fp32 adds it in torch). The separate extras
+(``"dx"``, ``"wgrad"``; the latter is the fused kernel with the dX store compiled out) give the
+same bits and serve the cases that need one gradient only.
+
+Version 2 (dX and forward bits as version 1): the weight gradient's row groups became the dX
+tile, which changes its bits for H <= 2048 (groups of ``4096 // block_h`` instead of
+``2048 // block_h`` rows, 8 instead of 4 warps); for H > 2048 the tiles were already equal.
 
 Not promised: identity with the ``native`` family (its row sum is a different tree), across GPU
 models or across Triton versions. On the CPU the kernels run in the Triton interpreter
@@ -51,12 +63,23 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["PROVIDER", "RmsNormConfig", "get_config", "rms_norm", "rms_norm_dx", "rms_norm_wgrad"]
+__all__ = [
+    "PROVIDER",
+    "RmsNormConfig",
+    "get_config",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_dx",
+    "rms_norm_wgrad",
+]
 
 _INT32_MAX = 2**31 - 1
 MAX_HIDDEN = 65536  # one row lives in registers; larger rows raise (no silent fallback)
 _COMBINE_BLOCK = 256  # columns per program of the partial-combining kernel (no effect on bits)
 _COMBINE_UNROLL = 16  # partials loaded per step of that kernel (no effect on bits)
+# The backward kernel loads the next tile while it computes one (tiles up to this many elements;
+# larger ones would spill registers). No effect on bits.
+_PREFETCH_MAX_TILE = 8192
 
 
 @dataclass(frozen=True)
@@ -65,26 +88,22 @@ class RmsNormConfig:
 
     Attributes:
         block_h: columns per tile (next power of two >= H).
-        rows: rows per program of the forward and dX kernels.
-        num_warps: warps per program of the forward and dX kernels.
-        wgrad_rows: rows summed together (one tree) per step of the weight-gradient kernel.
-        wgrad_chunk: rows per weight-gradient partial (a multiple of ``wgrad_rows``).
-        wgrad_warps: warps per program of the weight-gradient kernel.
+        rows: rows per tile of the forward and backward kernels.
+        num_warps: warps per program of the forward and backward kernels.
+        wgrad_chunk: rows per weight-gradient partial (a multiple of ``rows``).
     """
 
     block_h: int
     rows: int
     num_warps: int
-    wgrad_rows: int
     wgrad_chunk: int
-    wgrad_warps: int
 
 
 def get_config(h: int) -> RmsNormConfig:
     """The checked-in launch rule for hidden size ``h`` (never depends on the number of rows).
 
     Tiles hold about 4096 elements (16 per thread for the big rows), small rows are packed
-    several per program; weight-gradient partials cover about 2^18 elements (a few hundred
+    several per tile; weight-gradient partials cover about 2^18 elements (a few hundred
     partials for real training shapes, so the ordered combination stays cheap).
     """
     if h <= 0 or h > MAX_HIDDEN:
@@ -94,10 +113,8 @@ def get_config(h: int) -> RmsNormConfig:
     )
     rows = max(1, 4096 // block_h)
     num_warps = max(1, min(16, rows * block_h // 512))
-    wgrad_rows = max(1, 2048 // block_h)
-    wgrad_chunk = max(wgrad_rows, (1 << 18) // block_h)
-    wgrad_warps = max(1, min(16, wgrad_rows * block_h // 512))
-    return RmsNormConfig(block_h, rows, num_warps, wgrad_rows, wgrad_chunk, wgrad_warps)
+    wgrad_chunk = max(rows, (1 << 18) // block_h)
+    return RmsNormConfig(block_h, rows, num_warps, wgrad_chunk)
 
 
 if triton is not None:
@@ -189,44 +206,92 @@ if triton is not None:
         )
 
     @triton.jit
-    def _rms_norm_bwd_wgrad_kernel(
+    def _rms_norm_bwd_kernel(
         g_ptr,
         r_ptr,
+        w_ptr,
+        gs_ptr,
+        dx_ptr,
         part_ptr,
         M,
         stride_g,
         stride_r,
+        stride_gs,
+        stride_dx,
         eps,
         H: tl.constexpr,
         BLOCK_H: tl.constexpr,
         ROWS: tl.constexpr,
         CHUNK: tl.constexpr,
+        STORE_DX: tl.constexpr,
+        HAS_GS: tl.constexpr,
+        PREFETCH: tl.constexpr,
         INT64: tl.constexpr,
     ):
-        # part[chunk, :] = sum over the chunk's row groups, in row order, of
-        #   tl.sum over the group's ROWS rows of grad * (r * rstd)
+        # One program per chunk of CHUNK rows, walked in tiles of ROWS rows (the dX kernel's
+        # tile): per tile, dx exactly as _rms_norm_bwd_dx_kernel computes it (same tile, same
+        # warps, same expressions), and acc += tl.sum over the tile's rows of grad * (r * rstd);
+        # part[chunk, :] = acc. x and grad are read once for both gradients.
         pid = tl.program_id(0)
         if INT64:
             first = pid.to(tl.int64) * CHUNK
         else:
             first = pid * CHUNK
+        end = tl.minimum(M, first + CHUNK)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
+        if STORE_DX:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        # groups past the last row would add exact zeros: skip them
-        for i in range(0, tl.minimum(M - first, CHUNK), ROWS):
-            rows = first + i + tl.arange(0, ROWS)
-            valid = rows < M
-            mask = valid[:, None] & cmask[None, :]
-            x32 = tl.load(
-                r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0
-            ).to(tl.float32)
-            dy = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
-                tl.float32
+        if PREFETCH:
+            rows0 = first + tl.arange(0, ROWS)
+            mask0 = (rows0[:, None] < end) & cmask[None, :]
+            r_next = tl.load(
+                r_ptr + rows0[:, None] * stride_r + cols[None, :], mask=mask0, other=0.0
             )
+            g_next = tl.load(
+                g_ptr + rows0[:, None] * stride_g + cols[None, :], mask=mask0, other=0.0
+            )
+        for i in range(0, end - first, ROWS):
+            rows = first + i + tl.arange(0, ROWS)
+            mask = (rows[:, None] < end) & cmask[None, :]
+            if PREFETCH:
+                x32 = r_next.to(tl.float32)
+                dy = g_next.to(tl.float32)
+                # issue the next tile's loads before this tile's reductions (register double
+                # buffering: they are in flight while this tile computes; rows past the chunk
+                # are masked, so nothing is read twice)
+                nrows = rows + ROWS
+                nmask = (nrows[:, None] < end) & cmask[None, :]
+                r_next = tl.load(
+                    r_ptr + nrows[:, None] * stride_r + cols[None, :], mask=nmask, other=0.0
+                )
+                g_next = tl.load(
+                    g_ptr + nrows[:, None] * stride_g + cols[None, :], mask=nmask, other=0.0
+                )
+            else:
+                x32 = tl.load(
+                    r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0
+                ).to(tl.float32)
+                dy = tl.load(
+                    g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0
+                ).to(tl.float32)
             var = tl.div_rn(tl.sum(x32 * x32, axis=1), H * 1.0)
             rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-            p = tl.where(mask, dy * (x32 * rstd[:, None]), 0.0)
+            n = x32 * rstd[:, None]
+            if STORE_DX:
+                g = dy * w[None, :]
+                c = tl.div_rn(tl.sum(g * n, axis=1), H * 1.0)
+                dx = ((g - n * c[:, None]) * rstd[:, None]).to(dx_ptr.dtype.element_ty)
+                if HAS_GS:
+                    # torch's dx + grad_sum (16-bit dtypes only: the rounding of dx above
+                    # keeps the add from being contracted into an FMA)
+                    gs = tl.load(
+                        gs_ptr + rows[:, None] * stride_gs + cols[None, :], mask=mask, other=0.0
+                    )
+                    dx = (dx.to(tl.float32) + gs.to(tl.float32)).to(dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx, mask=mask)
+            p = tl.where(mask, dy * n, 0.0)
             acc = acc + tl.sum(p, axis=0)
         tl.store(part_ptr + pid.to(tl.int64) * H + cols, acc, mask=cmask)
 
@@ -384,40 +449,107 @@ def rms_norm_dx(
     return dx.reshape(r.shape)
 
 
-def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 [H] weight gradient ``sum_rows(grad * r * rstd)`` in fixed row chunks (see module)."""
+def _backward(
+    grad: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    grad_sum: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One pass of ``_rms_norm_bwd_kernel`` (dx only when ``weight`` is given) + the combine."""
     _check_device(r)
     h = r.shape[-1]
+    for name, t in (("grad", grad), ("grad_sum", grad_sum)):
+        if t is not None and t.shape != r.shape:
+            raise ValueError(
+                f"rms_norm[triton] backward: {name} shape {tuple(t.shape)} != input shape "
+                f"{tuple(r.shape)}"
+            )
+    if weight is not None and weight.shape != (h,):
+        raise ValueError(f"rms_norm[triton] backward: weight shape {tuple(weight.shape)} != ({h},)")
     cfg = get_config(h)
     r2 = _rows(r, h)
     g2 = _rows(grad.to(r.dtype), h)
     m = r2.shape[0]
+    store_dx = weight is not None
+    dx = torch.empty((m, h), dtype=r.dtype, device=r.device) if store_dx else None
+    # the add of grad_sum is fused for 16-bit dtypes only (see the kernel); fp32 adds in torch
+    fuse_gs = grad_sum is not None and r.dtype != torch.float32
+    gs2 = _rows(grad_sum.to(r.dtype), h) if fuse_gs else g2
     out = torch.zeros((h,), dtype=torch.float32, device=r.device)
-    if m == 0:
-        return out
-    n_parts = triton.cdiv(m, cfg.wgrad_chunk)
-    parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
-    with _guard(r):
-        _kernel("_rms_norm_bwd_wgrad_kernel", r.device)[(n_parts,)](
-            g2,
-            r2,
-            parts,
-            m,
-            g2.stride(0),
-            r2.stride(0),
-            float(eps),
-            H=h,
-            BLOCK_H=cfg.block_h,
-            ROWS=cfg.wgrad_rows,
-            CHUNK=cfg.wgrad_chunk,
-            INT64=_int64(m + cfg.wgrad_chunk, g2.stride(0), r2.stride(0), h),
-            num_warps=cfg.wgrad_warps,
-        )
-        block = min(_COMBINE_BLOCK, cfg.block_h)
-        _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(triton.cdiv(h, block),)](
-            parts, out, n_parts, H=h, BLOCK=block, UNROLL=_COMBINE_UNROLL, num_warps=4
-        )
-    return out
+    if m > 0:
+        n_parts = triton.cdiv(m, cfg.wgrad_chunk)
+        parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
+        with _guard(r):
+            _kernel("_rms_norm_bwd_kernel", r.device)[(n_parts,)](
+                g2,
+                r2,
+                weight.contiguous() if store_dx else r2,
+                gs2,
+                dx if store_dx else parts,
+                parts,
+                m,
+                g2.stride(0),
+                r2.stride(0),
+                gs2.stride(0),
+                dx.stride(0) if store_dx else 0,
+                float(eps),
+                H=h,
+                BLOCK_H=cfg.block_h,
+                ROWS=cfg.rows,
+                CHUNK=cfg.wgrad_chunk,
+                STORE_DX=store_dx,
+                HAS_GS=fuse_gs,
+                PREFETCH=cfg.block_h * cfg.rows <= _PREFETCH_MAX_TILE,
+                INT64=_int64(
+                    m + cfg.wgrad_chunk + cfg.rows, g2.stride(0), r2.stride(0), gs2.stride(0), h
+                ),
+                num_warps=cfg.num_warps,
+            )
+            block = min(_COMBINE_BLOCK, cfg.block_h)
+            _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(triton.cdiv(h, block),)](
+                parts, out, n_parts, H=h, BLOCK=block, UNROLL=_COMBINE_UNROLL, num_warps=4
+            )
+    if dx is not None:
+        dx = dx.reshape(r.shape)
+        if grad_sum is not None and not fuse_gs:
+            dx = dx + grad_sum.to(r.dtype)
+    return dx, out
+
+
+def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [H] weight gradient ``sum_rows(grad * r * rstd)`` in fixed row chunks (see module).
+
+    The same kernel as :func:`rms_norm_backward` with the dX store compiled out: equal bits.
+    """
+    return _backward(grad, r, None, eps, None)[1]
+
+
+def rms_norm_backward(
+    grad: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    grad_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused backward: dX and the weight gradient from one read of ``r`` and ``grad``.
+
+    Args:
+        grad: [..., H] gradient of ``y`` (cast to ``r.dtype`` as the autograd does).
+        r: [..., H] the normalised input (``x``, or ``x + residual`` of the fused op).
+        weight: [H].
+        eps: as in the forward.
+        grad_sum: optional [..., H] gradient flowing into ``r`` directly (the fused op's
+            ``x + residual`` output), added to dX as torch adds it (``dx + grad_sum`` in
+            ``r.dtype``).
+
+    Returns:
+        ``(dx, dweight)``: ``dx`` [..., H] in ``r.dtype``, bitwise ``rms_norm_dx(grad, r, weight,
+        eps)`` (``+ grad_sum``); ``dweight`` [H] fp32, bitwise ``rms_norm_wgrad(grad, r, eps)``.
+    """
+    dx, dw = _backward(grad, r, weight, eps, grad_sum)
+    assert dx is not None
+    return dx, dw
 
 
 def _available(device: str, *, triton_interpret: bool) -> str | None:
@@ -443,7 +575,8 @@ PROVIDER = Provider(
     invariant=True,
     numerics="rms_norm/triton",
     fn=rms_norm,
-    version="1",
+    # 2: weight-gradient groups = the dX tile (H <= 2048 changed); forward and dX bits as in 1
+    version="2",
     available=_available,
-    extras={"dx": rms_norm_dx, "wgrad": rms_norm_wgrad},
+    extras={"dx": rms_norm_dx, "wgrad": rms_norm_wgrad, "backward": rms_norm_backward},
 )
