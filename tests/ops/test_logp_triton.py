@@ -438,3 +438,29 @@ def test_gpu_real_size_bf16():
     assert_bitwise(dw2, dw, "real size dweight run-to-run")
     assert_bitwise(grads(777)[0], dh[:777], "real size dhidden first 777 rows")
     assert torch.isfinite(dh.float()).all() and torch.isfinite(dw.float()).all()
+
+
+@needs_triton
+def test_strided_token_columns_regression():
+    """Tokens taken as a column of a [B, T] id matrix (stride T): a rollout computing the log-prob
+    of step i as ``logp(logits, seq[:, i])`` once read the wrong ids for rows > 0."""
+    torch.manual_seed(7)
+    seq = torch.randint(0, 300, (5, 9), device=DEVICE)
+    col = seq[:, 4]
+    assert col.stride(0) != 1
+    x = torch.randn(5, 300, device=DEVICE)
+    h, w = torch.randn(5, 16, device=DEVICE), torch.randn(300, 16, device=DEVICE)
+    for backend in ("triton", "native"):
+        assert_bitwise(
+            logp(x, col, 0.8, backend=backend),
+            logp(x, col.contiguous(), 0.8, backend=backend),
+            f"logp strided tokens ({backend})",
+        )
+        hi = h.clone().requires_grad_(True)
+        hj = h.clone().requires_grad_(True)
+        a = linear_logp(hi, w, col, 0.8, backend=backend)
+        b = linear_logp(hj, w, col.contiguous(), 0.8, backend=backend)
+        assert_bitwise(a, b, f"linear_logp strided tokens ({backend})")
+        a.sum().backward()
+        b.sum().backward()
+        assert_bitwise(hi.grad, hj.grad, f"linear_logp strided tokens backward ({backend})")

@@ -610,6 +610,7 @@ def attention(
     get_config(q.shape[2])
     scale = reference.default_scale(q.shape[2], scale)
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    cu_seqlens = cu_seqlens.contiguous()  # the kernels index metadata with unit stride
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _launch_fwd(q, k, v, out, lse, cu_seqlens, None, None, scale, causal)
@@ -637,6 +638,9 @@ def paged_attention(
         raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
     scale = reference.default_scale(q.shape[2], scale)
     q = _last_contig(q)
+    # the kernels index metadata with unit stride (a no-op for the usual contiguous slices)
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    block_table = _last_contig(block_table)
     out = torch.zeros_like(q)  # padding tokens after query_start_loc[-1] stay zero
     _launch_fwd(q, k_cache, v_cache, out, None, query_start_loc, seq_lens, block_table, scale, True)
     return out
@@ -658,6 +662,7 @@ def write_kv_cache(
     if t == 0:
         return
     k, v = _last_contig(k), _last_contig(v)
+    slot_mapping = slot_mapping.contiguous()
     with _guard(k):
         _kernel("_write_kv_cache_kernel", k.device)[(t,)](
             k,
@@ -702,7 +707,7 @@ def attention_bwd(
     g = hq // hkv
     cfg = get_config(d)
     dout, q, k, v, out = (_last_contig(x) for x in (dout, q, k, v, out))
-    lse = lse.contiguous()
+    lse, cu_seqlens = lse.contiguous(), cu_seqlens.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     num_seqs = cu_seqlens.shape[0] - 1
     if t == 0 or num_seqs == 0:

@@ -97,7 +97,7 @@ def linear_logp_forward(
     out_lp = torch.empty(n, dtype=f32, device=dev)
     out_lse = torch.empty(n, dtype=f32, device=dev)
     out_ent = torch.empty(n if return_entropy else 0, dtype=f32, device=dev)
-    tok = tokens.long()
+    tok = tokens.long().contiguous()
     for r0 in range(0, n, TOKEN_CHUNK):
         sl = slice(r0, r0 + TOKEN_CHUNK)
         logits = _logits(hidden[sl], weight)
@@ -145,7 +145,7 @@ def linear_logp_backward(
         dh = torch.zeros(hidden.shape if need_dhidden else 0, dtype=hidden.dtype, device=dev)
         dw = torch.zeros(weight.shape if need_dweight else 0, dtype=weight.dtype, device=dev)
         return dh, dw
-    tok = tokens.long()
+    tok = tokens.long().contiguous()
     lse = lse.float().contiguous()
     gl = grad_logp.float().contiguous() if grad_logp is not None else None
     ge = grad_entropy.float().contiguous() if grad_entropy is not None else None

@@ -317,7 +317,7 @@ def vocab_forward(
     n_seg = triton.cdiv(vocab, SEGMENT)
     rows = _rows_per_program(logits)
     part = torch.empty((n, n_seg, 3), dtype=f32, device=dev)
-    tok = tokens.long() if tokens is not None else lse
+    tok = tokens.long().contiguous() if tokens is not None else lse  # the kernel reads tok[row]
     temp = float(temperature)
     with _guard(logits):
         _kernel("_vocab_partial_kernel", dev)[(triton.cdiv(n, rows), n_seg)](
@@ -385,7 +385,7 @@ def vocab_backward(
     if not (has_gl or has_ge):
         return out.zero_()
     gl = grad_logp.float().contiguous() if has_gl else lse
-    tok = tokens.long() if has_gl else lse
+    tok = tokens.long().contiguous() if has_gl else lse  # the kernel reads tok[row]
     ge = grad_entropy.float().contiguous() if has_ge else lse
     ent = entropy if has_ge else lse
     with _guard(logits):
