@@ -36,13 +36,12 @@ models or Triton versions. On the CPU the kernels run in the Triton interpreter
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.logp import reference
 from rl_engine.registry import Provider
@@ -245,41 +244,17 @@ if triton is not None:
         )
 
 
-_interpreted: dict[str, Any] = {}
-
-
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
-    kern = globals()[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    if name not in _interpreted:
-        _interpreted[name] = InterpretedFunction(kern.fn)
-    return _interpreted[name]
+    """The JIT kernel ``name``, interpreted for CPU tensors."""
+    return _tr.interpreted(globals()[name], device)
 
 
 def check_device(t: torch.Tensor, op: str = "logp") -> None:
     """Raise unless Triton can run on ``t``'s device (CUDA, or the CPU interpreter)."""
-    if triton is None:
-        raise RuntimeError(f"{op}[triton]: triton is not importable ({_IMPORT_ERROR})")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                f"{op}[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"{op}[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+    _tr.check_device(op, t)
 
 
-def _guard(t: torch.Tensor) -> Any:
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _rows_per_program(t: torch.Tensor) -> int:
@@ -455,20 +430,7 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
     return logp_forward(logits, tokens, temperature)[0]
 
 
-def available(device: str, *, triton_interpret: bool) -> str | None:
-    """Why the Triton vocabulary providers cannot run on ``device`` (``None`` when they can)."""
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+available = _tr.available  # the Triton vocabulary providers' availability check
 
 
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE

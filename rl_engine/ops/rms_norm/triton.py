@@ -42,13 +42,12 @@ models or across Triton versions. On the CPU the kernels run in the Triton inter
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rl_engine import config as _rl_config
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.rms_norm.reference import _check
 from rl_engine.registry import Provider
@@ -318,40 +317,16 @@ if triton is not None:
         tl.store(out_ptr + cols, acc, mask=cmask)
 
 
-_interpreted: dict[str, Any] = {}
-
-
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel, or (CPU tensors) its interpreter version whatever the import-time env."""
-    kern = globals()[name]
-    if device.type != "cpu":
-        return kern
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kern, InterpretedFunction):
-        return kern
-    if name not in _interpreted:
-        _interpreted[name] = InterpretedFunction(kern.fn)
-    return _interpreted[name]
+    """The JIT kernel ``name``, interpreted for CPU tensors."""
+    return _tr.interpreted(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError(f"rms_norm[triton]: triton is not importable ({_IMPORT_ERROR})")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu":
-        if not _rl_config.settings().triton_interpret:
-            raise RuntimeError(
-                "rms_norm[triton]: Triton kernels need a CUDA device; set TRITON_INTERPRET=1 "
-                "to run them in the interpreter on the CPU"
-            )
-        return
-    raise RuntimeError(f"rms_norm[triton]: tensors on {t.device} are not supported (cuda or cpu)")
+    _tr.check_device("rms_norm", t)
 
 
-def _guard(t: torch.Tensor) -> Any:
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+_guard = _tr.device_guard
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
@@ -552,19 +527,7 @@ def rms_norm_backward(
     return dx, dw
 
 
-def _available(device: str, *, triton_interpret: bool) -> str | None:
-    if triton is None:
-        return f"triton is not importable ({_IMPORT_ERROR})"
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available"
-    if device == "cpu":
-        if triton_interpret:
-            return None
-        return (
-            "Triton kernels need a CUDA device; set TRITON_INTERPRET=1 to run them in the "
-            "interpreter"
-        )
-    return f"device {device!r} is not supported"
+_available = _tr.available
 
 
 PROVIDER = Provider(
