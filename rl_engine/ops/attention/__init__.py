@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.attention import reference
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -129,7 +129,7 @@ def attention(
         same tokens in any chunking / batch (same provider). See
         :func:`rl_engine.ops.attention.reference.attention` for the contract.
     """
-    reference._check_attention(q, k, v, cu_seqlens, scale, causal)
+    check_tensor("q", q)  # the full check runs once, in _entry
     provider = resolve_provider(_OP, q.device.type, backend)
     return _entry(q, k, v, cu_seqlens, scale, causal, provider=provider)
 

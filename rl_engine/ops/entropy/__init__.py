@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.entropy import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
@@ -89,7 +89,7 @@ def entropy(
 
     See :func:`rl_engine.ops.entropy.reference.entropy` for the contract.
     """
-    reference._check(logits, temperature)
+    check_tensor("logits", logits)  # the full check runs once, in _entry
     provider = resolve_provider("entropy", logits.device.type, backend)
     return _entry(logits, temperature, provider=provider)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
@@ -170,7 +170,7 @@ def linear_logp(
 
     See :func:`rl_engine.ops.linear_logp.reference.linear_logp` for the contract.
     """
-    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    check_tensor("hidden", hidden)  # the full check runs once, in _entry
     provider = resolve_provider("linear_logp", hidden.device.type, backend)
     return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -95,7 +95,7 @@ def logp(
 
     See :func:`rl_engine.ops.logp.reference.logp` for the contract.
     """
-    reference._check(logits, tokens, temperature)
+    check_tensor("logits", logits)  # the full check runs once, in _entry
     provider = resolve_provider("logp", logits.device.type, backend)
     return _entry(logits, tokens, temperature, provider=provider)
 

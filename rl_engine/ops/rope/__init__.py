@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.rope import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -131,7 +131,7 @@ def rope(
     Returns:
         [T, heads, head_dim] in ``x.dtype``. See :func:`rl_engine.ops.rope.reference.rope`.
     """
-    reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
+    check_tensor("x", x)  # the full check runs once, in _entry
     provider = resolve_provider("rope", x.device.type, backend)
     return _entry(x, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.silu_and_mul import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -69,7 +69,7 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     Returns:
         [..., D] in ``x.dtype``. See :func:`rl_engine.ops.silu_and_mul.reference.silu_and_mul`.
     """
-    reference._check(x)
+    check_tensor("x", x)  # the full check runs once, in _entry
     provider = resolve_provider("silu_and_mul", x.device.type, backend)
     return _entry(x, provider=provider)
 
