@@ -28,59 +28,77 @@ from rl_engine.ops.det_gemm import triton as gemm_triton  # noqa: E402
 
 C = gemm_config.DetGemmConfig
 
-# Candidate configs per M (the sweep); the table's own config is always added.
+# Candidate configs per M (the sweep); the table's own config is always added. ``S`` = split over
+# K chunks (one program per tile and chunk + the ordered combine), ``T`` = persistent TMA.
+
+
+def _s(bm, bn, bk, g, w, st):
+    return C(bm, bn, bk, g, w, st, split_k=True)
+
+
+def _t(bm, bn, bk, g, w, st):
+    return C(bm, bn, bk, g, w, st, tma=True)
+
+
+def _f(bm, bn, bk, g, w, st):
+    return C(bm, bn, bk, g, w, st, flat_k=True)
+
+
 _SWEEP: dict[str, list[C]] = {
     "tiny": [  # M <= 16
-        C(16, 32, 128, 1, 4, 4),
-        C(16, 64, 128, 1, 4, 4),
-        C(16, 64, 256, 1, 4, 3),
-        C(16, 128, 128, 1, 4, 4),
-        C(16, 32, 256, 1, 4, 4),
-        C(64, 64, 128, 1, 4, 4),
-        C(16, 16, 256, 1, 2, 4),
-        C(16, 32, 128, 1, 2, 6),
-        C(16, 64, 128, 1, 4, 6),
-        C(64, 64, 128, 1, 4, 4, True),
+        _s(16, 32, 128, 1, 2, 6),
+        _s(16, 64, 128, 1, 4, 4),
+        _s(16, 32, 256, 1, 4, 4),
+        _s(16, 128, 128, 1, 4, 4),
+        _s(16, 16, 256, 1, 2, 4),
+        _s(16, 64, 256, 1, 4, 3),
+        _f(16, 32, 128, 1, 2, 6),
+        _f(16, 64, 128, 1, 4, 6),
     ],
     "small": [  # M <= 64
-        C(32, 64, 128, 1, 4, 4),
-        C(64, 64, 128, 1, 4, 4),
-        C(64, 128, 64, 1, 4, 4),
-        C(64, 32, 128, 1, 4, 4),
-        C(64, 64, 64, 1, 4, 5),
-        C(64, 64, 128, 1, 4, 4, True),
-        C(64, 128, 64, 1, 4, 4, True),
-        C(64, 32, 256, 1, 4, 3),
+        _s(64, 64, 128, 1, 4, 4),
+        _s(32, 64, 128, 1, 4, 4),
+        _s(64, 32, 128, 1, 4, 4),
+        _s(64, 128, 64, 1, 4, 4),
+        _s(16, 64, 128, 1, 4, 4),
+        _s(64, 64, 64, 1, 4, 5),
+        _f(64, 32, 128, 1, 4, 4),
+        _f(16, 64, 128, 1, 4, 6),
+        _t(64, 128, 64, 1, 4, 4),
     ],
     "mid": [  # M <= 512
-        C(64, 128, 64, 8, 4, 4),
+        _s(64, 128, 64, 8, 4, 4),
+        _s(128, 128, 64, 8, 8, 4),
+        _s(128, 64, 64, 8, 4, 4),
+        _s(64, 64, 128, 8, 4, 4),
+        _s(64, 256, 64, 8, 8, 4),
+        _t(128, 128, 64, 8, 8, 4),
+        _t(64, 128, 64, 8, 4, 4),
+        _t(64, 256, 64, 8, 8, 4),
         C(128, 128, 64, 8, 8, 4),
-        C(128, 128, 64, 8, 4, 4),
-        C(64, 64, 128, 8, 4, 4),
-        C(128, 64, 64, 8, 4, 4),
+        C(64, 128, 64, 8, 4, 4),
+        _t(128, 256, 64, 8, 8, 3),
         C(128, 256, 64, 8, 8, 3),
-        C(64, 256, 64, 8, 4, 4),
-        C(128, 128, 64, 8, 8, 4, True),
-        C(128, 128, 64, 8, 4, 4, True),
-        C(64, 128, 64, 8, 4, 4, True),
-        C(128, 256, 64, 8, 8, 3, True),
-        C(64, 64, 128, 8, 4, 4, True),
     ],
     "large": [  # M > 512
-        C(128, 256, 64, 8, 8, 3),
-        C(128, 256, 64, 8, 8, 4),
+        _t(128, 128, 64, 8, 8, 4),
+        _t(128, 128, 64, 8, 8, 5),
+        _t(128, 128, 64, 8, 8, 3),
+        _t(128, 128, 64, 16, 8, 4),
+        _t(128, 128, 128, 8, 8, 3),
+        _t(64, 256, 64, 8, 8, 4),
+        _t(128, 64, 64, 8, 4, 4),
         C(128, 128, 64, 8, 8, 4),
-        C(128, 128, 64, 8, 4, 4),
-        C(256, 128, 64, 8, 8, 3),
-        C(128, 256, 64, 16, 8, 3),
-        C(128, 256, 64, 8, 8, 3, True),
-        C(128, 256, 64, 8, 8, 4, True),
-        C(256, 128, 64, 8, 8, 3, True),
-        C(128, 128, 64, 8, 4, 4, True),
-        C(128, 128, 64, 8, 8, 4, True),
-        C(128, 256, 64, 8, 8, 5, True),
+        _s(128, 128, 64, 8, 8, 4),
+        _t(128, 256, 64, 8, 8, 3),
+        _t(128, 256, 64, 8, 8, 4),
     ],
 }
+
+
+def _cname(c: C) -> str:
+    kind = "T" if c.tma else "S" if c.split_k else "F" if c.flat_k else "P"
+    return f"{kind}{c.block_m}x{c.block_n}x{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
 
 
 def _bucket(m: int) -> str:
@@ -137,76 +155,69 @@ def run_bench(args, limits) -> list[dict]:
 
 
 def run_sweep(args) -> dict:
-    """Time candidate configs per (M, shape); check all give bitwise-equal outputs."""
+    """Time candidate configs per (M, shape) and K chunk; check that all configs of one K chunk
+    give bitwise-equal outputs. Prints, per K chunk, the geometric mean over the grid of the best
+    config per (shape, M) (what a table keyed by shape and M could reach)."""
     results, mismatches = [], []
     ms = M_VALUES
-    for shape in GEMM_SHAPES:
-        for m in ms:
-            a, b = _inputs(m, shape.k, shape.n, torch.bfloat16)
-            table_cfg = gemm_config.get_config(m, shape.n, shape.k, torch.bfloat16)
-            cands = [table_cfg] + [c for c in _SWEEP[_bucket(m)] if c != table_cfg]
-            t_cublas = common.bench(lambda a=a, b=b: torch.mm(a, b), quick=True)
-            first = None
-            for cfg in cands:
-                try:
-                    out = gemm_triton.det_gemm_with_config(a, b, None, cfg)
-                except Exception as exc:  # a config that does not compile: record, go on
-                    results.append(
-                        {
-                            "shape": shape.name,
-                            "m": m,
-                            "config": dataclasses.asdict(cfg),
-                            "error": f"{type(exc).__name__}: {exc}"[:300],
-                        }
+    kcs = [int(x) for x in args.k_chunks.split(",")]
+    for kc in kcs:
+        for shape in GEMM_SHAPES:
+            for m in ms:
+                a, b = _inputs(m, shape.k, shape.n, torch.bfloat16)
+                table_cfg = gemm_config.get_config(m, shape.n, shape.k, torch.bfloat16)
+                cands = [table_cfg] + [c for c in _SWEEP[_bucket(m)] if c != table_cfg]
+                t_cublas = common.bench(lambda a=a, b=b: torch.mm(a, b), quick=True)
+                first = None
+                mine = []
+                for cfg in cands:
+                    key = {"shape": shape.name, "m": m, "k_chunk": kc, "config": _cname(cfg)}
+                    try:
+                        out = gemm_triton.det_gemm_with_config(a, b, None, cfg, k_chunk=kc)
+                    except Exception as exc:  # a config that does not compile: record, go on
+                        results.append({**key, "error": f"{type(exc).__name__}: {exc}"[-300:]})
+                        continue
+                    if first is None:
+                        first = out
+                    elif not torch.equal(out, first):
+                        mismatches.append(key)
+                    t = common.bench(
+                        lambda a=a, b=b, cfg=cfg, kc=kc: gemm_triton.det_gemm_with_config(
+                            a, b, None, cfg, k_chunk=kc
+                        ),
+                        quick=True,
                     )
-                    continue
-                if first is None:
-                    first = out
-                elif not torch.equal(out, first):
-                    mismatches.append(
-                        {"shape": shape.name, "m": m, "config": dataclasses.asdict(cfg)}
+                    results.append({**key, "us": t, "cublas_us": t_cublas, "ratio": t_cublas / t})
+                    mine.append(results[-1])
+                if mine:
+                    best = max(mine, key=lambda r: r["ratio"])
+                    print(
+                        f"sweep kc={kc} {shape.name:20s} M={m:5d} best {best['ratio']:.3f} "
+                        f"{best['config']}  "
+                        + " ".join(f"{r['config']}:{r['ratio']:.2f}" for r in mine),
+                        flush=True,
                     )
-                t = common.bench(
-                    lambda a=a, b=b, cfg=cfg: gemm_triton.det_gemm_with_config(a, b, None, cfg),
-                    quick=True,
-                )
-                results.append(
-                    {
-                        "shape": shape.name,
-                        "m": m,
-                        "config": dataclasses.asdict(cfg),
-                        "us": t,
-                        "cublas_us": t_cublas,
-                        "ratio": t_cublas / t,
-                    }
-                )
-            best = max(
-                (
-                    r
+                del a, b
+        bests = []
+        for shape in GEMM_SHAPES:
+            for m in ms:
+                rs = [
+                    r["ratio"]
                     for r in results
-                    if r.get("m") == m and r["shape"] == shape.name and "ratio" in r
-                ),
-                key=lambda r: r["ratio"],
-            )
-            print(
-                f"sweep {shape.name:22s} M={m:5d} best {best['ratio']:.3f} {best['config']}",
-                flush=True,
-            )
-            del a, b
-    # Per M: the config with the best geometric-mean ratio over the shapes.
-    per_m = {}
-    for m in ms:
-        by_cfg: dict[str, list[float]] = {}
-        for r in results:
-            if r.get("m") == m and "ratio" in r:
-                by_cfg.setdefault(str(r["config"]), []).append(r["ratio"])
-        full = {c: v for c, v in by_cfg.items() if len(v) == len(GEMM_SHAPES)}
-        if full:
-            c, v = max(full.items(), key=lambda kv: common.geomean(kv[1]))
-            per_m[m] = {"config": c, "geomean_ratio": common.geomean(v), "ratios": v}
-            print(f"sweep best for M={m}: geomean {common.geomean(v):.3f} {c} {v}")
+                    if r["k_chunk"] == kc
+                    and r["shape"] == shape.name
+                    and r["m"] == m
+                    and "ratio" in r
+                ]
+                if rs:
+                    bests.append(max(rs))
+        print(
+            f"sweep kc={kc}: best-per-case geomean {common.geomean(bests):.3f} "
+            f"min {min(bests):.3f}",
+            flush=True,
+        )
     print(f"sweep: {len(mismatches)} bitwise mismatches between configs")
-    return {"results": results, "best_per_m": per_m, "mismatches": mismatches}
+    return {"results": results, "mismatches": mismatches}
 
 
 def plot(rows: list[dict], limits: dict, path: Path) -> None:
@@ -254,7 +265,11 @@ def plot(rows: list[dict], limits: dict, path: Path) -> None:
 def main() -> None:
     args = common.parse_args(
         __doc__.splitlines()[0],
-        lambda p: p.add_argument("--sweep", action="store_true", help="tile-config sweep too"),
+        lambda p: (
+            p.add_argument("--sweep", action="store_true", help="tile-config sweep too"),
+            p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks"),
+            p.add_argument("--sweep-only", action="store_true", help="no benchmark after it"),
+        ),
     )
     if not torch.cuda.is_available():
         print("bench_det_gemm: no CUDA device; nothing to measure")
@@ -263,6 +278,8 @@ def main() -> None:
     if args.sweep:
         sweep = run_sweep(args)
         common.write_json(args.out, "det_gemm_sweep", sweep)
+        if args.sweep_only:
+            return
     rows = run_bench(args, limits)
     ratios = [r["ratio"] for r in rows]
     summary = {

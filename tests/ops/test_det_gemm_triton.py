@@ -72,7 +72,7 @@ def test_resolves_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config.reload()
     op = KernelRegistry.get_op("det_gemm", device="cpu", backend="triton")
-    assert op.provider.name == "triton" and op.numerics == "det_gemm/triton"
+    assert op.provider.name == "triton" and op.numerics == f"det_gemm/triton-kc{gemm_config.K_CHUNK}"
     # default resolution on the CPU stays native (the reference comes first there)
     assert KernelRegistry.get_op("det_gemm", device="cpu").provider.name == "native"
 
@@ -120,7 +120,7 @@ def _configs_to_check(dtype):
     cfgs = list(gemm_config.all_configs(dtype))
     if ON_GPU:
         if dtype == torch.bfloat16:  # both kernels (pointer / persistent TMA) for every tile
-            cfgs += [dataclasses.replace(c, tma=not c.tma) for c in cfgs]
+            cfgs += [dataclasses.replace(c, tma=not c.tma, split_k=False) for c in cfgs]
     else:  # the interpreter is cheap per config: also the other table's tile shapes
         for other in (torch.float32, torch.bfloat16):
             cfgs += [c for c in gemm_config.all_configs(other) if c not in cfgs]
@@ -145,6 +145,62 @@ def test_every_config_bitwise_equal(dtype):
             for cfg in cfgs:
                 out = gemm_triton.det_gemm_with_config(a, bc, bias, cfg)
                 assert_bitwise(out, base, f"{dtype} row-major b: {cfg}")
+
+
+def _plans(dtype):
+    """Every shipped config with both plans (split over K chunks / one program per tile) and,
+    on the GPU in 16-bit, both kernels (pointer / persistent TMA)."""
+    out = []
+    for c in _configs_to_check(dtype):
+        for v in (
+            c,
+            dataclasses.replace(c, split_k=not c.split_k, tma=False),
+            dataclasses.replace(c, split_k=False, tma=False, flat_k=not c.flat_k),
+        ):
+            if v not in out:
+                out.append(v)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k_chunks_every_plan_bitwise_and_chunk_order(dtype):
+    """Many K chunks: every config and plan gives the same bits, and (fp32, where the output
+    is not rounded) the result is exactly the chunk partials added in chunk order."""
+    if ON_GPU:
+        kc, (m, k, n) = gemm_config.K_CHUNK, (200, 3 * gemm_config.K_CHUNK + 300, 136)
+    else:  # the interpreter's K step is 16: a small chunk exercises the same code
+        kc, (m, k, n) = 32, (40, 150, 24)
+    a, b = _linear(m, k, n, dtype, seed=k)
+    bias = _rand(n, dtype=dtype)
+    plans = _plans(dtype)
+    for rows in (1, 33, m):
+        base = gemm_triton.det_gemm_with_config(a[:rows], b, bias, plans[0], k_chunk=kc)
+        for cfg in plans[1:]:
+            out = gemm_triton.det_gemm_with_config(a[:rows], b, bias, cfg, k_chunk=kc)
+            assert_bitwise(out, base, f"{dtype} {rows}x{k}x{n} chunk {kc}: {cfg}")
+    rtol, atol = tolerance(dtype, k=k)
+    assert_close(base, a.double() @ b.double() + bias.double(), rtol=rtol, atol=atol, what="kc")
+    if dtype == torch.float32:
+        total = None
+        for k0 in range(0, k, kc):
+            p = gemm_triton.det_gemm_with_config(
+                a[:, k0 : k0 + kc], b[k0 : k0 + kc], None, plans[0], k_chunk=kc
+            )
+            total = p if total is None else total + p
+        assert_bitwise(base, total + bias, "chunk partials added in chunk order, then bias")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_many_chunks(dtype):
+    """K > K_CHUNK: small M runs the split plan, large M one program per tile; rows agree."""
+    a, b = _linear(300, gemm_config.K_CHUNK + 80, 24 if not ON_GPU else 200, dtype, seed=7)
+    bias = _rand(b.shape[1], dtype=dtype)
+    counts = sorted(set(_THRESHOLDS) | {1, 17, 31, 33, 199, 300})
+    check_row_invariance(
+        lambda t: det_gemm(t, b, bias, backend="triton"), a, counts=counts, what="kc fwd"
+    )
 
 
 @needs_triton

@@ -2,18 +2,24 @@
 
 What may vary here and what may not:
 
-* Tile shapes (``block_m``, ``block_n``, ``block_k``), the launch order (``group_m``), warps and
-  pipeline stages change *how* the work is spread over the GPU, never the reduction order: every
-  program accumulates K sequentially into one fp32 accumulator, and the tensor-core instruction
-  (k16 for bf16/fp16) or the IEEE FMA chain (fp32) fixes the order inside a tile. So the table may
-  pick a config by the number of rows M; ``tests/ops/test_det_gemm_triton.py`` proves that every
-  config shipped here gives bitwise-equal outputs on the same inputs.
-* ``WGRAD_CHUNK`` *is* numerics: the weight gradient reduces tokens in chunks of this many rows,
-  a fresh fp32 accumulator per chunk, chunk partials added in token order. It is a fixed number
-  (never the number of SMs or anything derived from the batch).
+* ``K_CHUNK`` **is** numerics: K is cut into chunks of ``K_CHUNK`` columns from column 0 (the last
+  one may be shorter); each chunk is accumulated sequentially (``BLOCK_K`` steps, ``tl.dot``
+  chained) into a fresh fp32 partial, and the partials are added in chunk order
+  (``((0 + p0) + p1) + ...``; a single chunk is used as is). It is a fixed number, never derived
+  from M, N or the device.
+* Everything in :class:`DetGemmConfig` is launch shape only and never changes the bits: the tile
+  shape (``block_m``, ``block_n``, ``block_k``; ``block_k`` divides ``K_CHUNK``), the launch
+  order (``group_m``), warps and pipeline stages, the kernel (pointer loads or persistent TMA)
+  and the plan: ``split_k`` runs one program per (output tile, K chunk) writing fp32 partials
+  that a second kernel adds in chunk order, which is how few rows get enough programs to stream
+  the weight; otherwise one program walks all chunks of its tile and adds them in registers.
+  So the table may pick a config by M (and N, K); ``tests/ops/test_det_gemm_triton.py`` proves
+  that every config shipped here gives bitwise-equal outputs on the same inputs.
+* ``WGRAD_CHUNK`` is the same rule for the weight gradient (tokens reduced in chunks of this many
+  rows): the weight gradient is this GEMM with K = tokens.
 
-The table was tuned on an H100 (see ``docs/operators/det_gemm.md``); it is a performance
-choice only.
+The table was tuned on an H200 with ``benchmarks/sweep_det_gemm.py`` (see
+``docs/operators/det_gemm.md``); it is a performance choice only.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "K_CHUNK",
+    "LM_HEAD",
     "WGRAD_CHUNK",
     "DetGemmConfig",
     "WgradConfig",
@@ -32,6 +40,8 @@ __all__ = [
     "get_wgrad_config",
 ]
 
+# Forward K chunk (part of the numerics of the ``triton`` family; see module doc).
+K_CHUNK = 4096
 # Weight-gradient token chunk (part of the numerics of the ``triton`` family; see module doc).
 WGRAD_CHUNK = 256
 
@@ -55,14 +65,23 @@ class DetGemmConfig:
     # Persistent kernel with TMA tile loads (CUDA, 16-bit, aligned layouts; otherwise the
     # pointer kernel runs). Same per-tile reduction order, so the same bits.
     tma: bool = False
+    # One program per (tile, K chunk) + the ordered combination kernel (pointer kernel only).
+    split_k: bool = False
+    # Pointer kernel, several chunks per program: one K loop that adds and resets the partial
+    # after a chunk's last step (streams better at small tiles) instead of a loop per chunk.
+    flat_k: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two >= 16")
+        if K_CHUNK % self.block_k:
+            raise ValueError(f"block_k={self.block_k} must divide K_CHUNK={K_CHUNK}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        if self.tma and self.split_k:
+            raise ValueError("split_k runs the pointer kernel: tma must be False")
 
     def for_interpreter(self) -> DetGemmConfig:
         return dataclasses.replace(self, block_k=INTERPRETER_BLOCK_K, tma=False)
@@ -70,49 +89,60 @@ class DetGemmConfig:
 
 @dataclass(frozen=True)
 class WgradConfig:
-    """Launch configuration of the weight-gradient kernel: out tile [block_o, block_n], token
-    step ``block_t`` (must divide ``WGRAD_CHUNK``)."""
+    """Launch configuration of the weight-gradient kernels: out tile [block_o, block_n], token
+    step ``block_t`` (must divide ``WGRAD_CHUNK``); ``tma``: the persistent TMA GEMM kernel where
+    the layouts allow it (16-bit, CUDA)."""
 
     block_o: int
     block_n: int
     block_t: int
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if WGRAD_CHUNK % self.block_t:
             raise ValueError(f"block_t={self.block_t} must divide WGRAD_CHUNK={WGRAD_CHUNK}")
 
     def for_interpreter(self) -> WgradConfig:
-        return dataclasses.replace(self, block_t=INTERPRETER_BLOCK_K)
+        return dataclasses.replace(self, block_t=INTERPRETER_BLOCK_K, tma=False)
 
 
 _C = DetGemmConfig
 
-# 16-bit inputs (bf16 / fp16): (m_max, n_min, config); the first row with M <= m_max and
-# N >= n_min wins. Tuned on an H100 (benchmarks/bench_det_gemm.py --sweep): decode sizes use
-# narrow pointer-load tiles so that enough programs stream the weight; wide layers (N >= 8192)
-# switch to the persistent TMA kernel earlier; from M > 512 on, persistent TMA 128x256x64.
+# 16-bit inputs (bf16 / fp16): (m_max, k_min, config); the first row with M <= m_max and
+# K >= k_min wins. Tuned on an H200 (benchmarks/bench_det_gemm.py --sweep): decode sizes use
+# narrow pointer-load tiles (deep K: split over the K chunks) so that enough programs stream the
+# weight; from 512 rows on the persistent TMA kernel, 128x256 tiles from 1024 rows on.
+# ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM head's token
+# chunks; tuned for it, performance only).
+_DEEP = K_CHUNK + 1  # more than one K chunk
 _TABLE_16BIT: tuple[tuple[int, int, DetGemmConfig], ...] = (
-    (1, 0, _C(16, 32, 128, group_m=1, num_warps=2, num_stages=6)),
-    (16, 0, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6)),
+    (16, _DEEP, _C(16, 32, 128, group_m=1, num_warps=2, num_stages=6, split_k=True)),
+    (16, 0, _C(16, 32, 128, group_m=1, num_warps=2, num_stages=6)),
+    (64, _DEEP, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6, flat_k=True)),
     (64, 0, _C(64, 32, 128, group_m=1, num_warps=4, num_stages=4)),
-    (128, 8192, _C(128, 128, 64, group_m=8, num_warps=4, num_stages=4, tma=True)),
-    (128, 0, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-    (512, 8192, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+    (128, _DEEP, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, split_k=True)),
     (256, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (512, 0, _C(128, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    (512, _DEEP, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (512, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4)),
+    (1024, _DEEP, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
     (1 << 62, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
 )
 
+LM_HEAD = _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
+
 # fp32 inputs: IEEE FMA dots (no TF32), smaller tiles.
 _TABLE_FP32: tuple[tuple[int, int, DetGemmConfig], ...] = (
+    (16, _DEEP, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3, split_k=True)),
     (16, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
     (64, 0, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
     (1 << 62, 0, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
 )
 
-_WGRAD_16BIT = WgradConfig(block_o=128, block_n=128, block_t=64, num_warps=8, num_stages=3)
+_WGRAD_16BIT = WgradConfig(
+    block_o=128, block_n=128, block_t=64, num_warps=8, num_stages=4, tma=True
+)
 _WGRAD_FP32 = WgradConfig(block_o=64, block_n=64, block_t=32, num_warps=4, num_stages=3)
 
 
@@ -122,8 +152,8 @@ def _table(dtype: torch.dtype) -> tuple[tuple[int, int, DetGemmConfig], ...]:
 
 def get_config(m: int, n: int, k: int, dtype: torch.dtype) -> DetGemmConfig:
     """The forward config for an [m, k] x [k, n] product (shape-dependent, numerics-free)."""
-    for m_max, n_min, cfg in _table(dtype):
-        if m <= m_max and n >= n_min:
+    for m_max, k_min, cfg in _table(dtype):
+        if m <= m_max and k >= k_min:
             return cfg
     return _table(dtype)[-1][2]
 

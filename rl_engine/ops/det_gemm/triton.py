@@ -1,18 +1,32 @@
 """``triton`` provider of ``det_gemm``: a batch- and column-invariant Triton GEMM.
 
-Numerics (family ``det_gemm/triton``): every output tile accumulates K **sequentially into one fp32
-accumulator** (``tl.dot`` chained over K steps; no split-K). Inside a step the tensor cores reduce
-in their own fixed unit (k16 for bf16/fp16); fp32 inputs use IEEE FMA dots (``input_precision=
-"ieee"``, no TF32). Output element (i, j) therefore depends on row i of ``a``, column j of ``b``
-and K only: rows outside the matrix are clamped loads that never mix into other rows, and tile
-shapes (chosen by M from the checked-in table in :mod:`.config`) do not change the order (a test
-proves every shipped config bitwise equal). ``out = (acc + bias[j]).to(a.dtype)``.
+Numerics (family ``det_gemm/triton-kc4096``): K is cut into chunks of ``K_CHUNK = 4096`` columns
+from column 0 (a fixed number; the last chunk may be shorter). Each chunk is accumulated
+**sequentially into a fresh fp32 partial** (``tl.dot`` chained over ``BLOCK_K`` steps; inside a
+step the tensor cores reduce in their own fixed unit, k16 for bf16/fp16; fp32 inputs use IEEE FMA
+dots, ``input_precision="ieee"``, no TF32), and the partials are added in chunk order,
+``((0 + p0) + p1) + ...`` (one chunk: ``p0`` itself). ``out = (acc + bias[j]).to(a.dtype)``.
+Output element (i, j) therefore depends on row i of ``a``, column j of ``b`` and K only: rows
+outside the matrix are clamped loads that never mix into other rows, and neither the tile shape
+nor the plan changes the order (a test proves every shipped config bitwise equal):
 
-Weight gradient ``a.t() @ grad`` (fp32): tokens are reduced in chunks of ``WGRAD_CHUNK`` rows,
-each chunk sequentially into a fresh fp32 accumulator, chunk partials added in token order. Two
-launch plans compute exactly that order: one program per output tile walking all chunks, or (few
-output tiles, many tokens) one program per (tile, chunk) writing partials that a second kernel
-adds in chunk order. Appending zero rows adds exact zeros: invariant to zero padding.
+* one program per output tile walks all chunks and adds the partials in registers (pointer
+  kernel, or the persistent TMA kernel on Hopper), or
+* ``split_k``: one program per (tile, chunk) writes its fp32 partial, and a second kernel adds
+  the partials in chunk order. This is what gives decode-sized M enough programs to stream the
+  weight at memory speed, without an M-dependent split: the chunking is the same for every M.
+
+Weight gradient ``a.t() @ grad`` (fp32) is the same GEMM with K = tokens and chunks of
+``WGRAD_CHUNK`` rows: each chunk sequentially into a fresh fp32 accumulator, chunk partials
+added in token order. Three launch plans compute exactly that order: the persistent TMA kernel
+(16-bit, TMA-compatible layouts, enough output tiles), one program per output tile walking all
+chunks, or (few output tiles, many tokens) one program per (tile, chunk) writing partials that a
+second kernel adds in chunk order. Appending zero rows adds exact zeros: invariant to zero
+padding.
+
+Version 2 (``-kc4096``): the forward's K chunks are new; version 1 accumulated all of K into one
+accumulator, which gives the same bits for K <= 4096 (most hidden sizes: only deep reductions
+such as an MLP down projection see chunks). The weight gradient's bits are unchanged.
 
 Not promised: identity with the ``native`` family, across GPU models, or across Triton versions.
 On the CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``); there 16-bit tiles
@@ -29,6 +43,7 @@ import torch
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.det_gemm.config import (
+    K_CHUNK,
     WGRAD_CHUNK,
     DetGemmConfig,
     WgradConfig,
@@ -61,11 +76,69 @@ _WGRAD_SPLIT_BELOW_TILES = 128
 if triton is not None:
 
     @triton.jit
+    def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of ``tile`` in the grouped launch order (GROUP_M row tiles share the
+        column tiles of B in L2)."""
+        num_in_group = GROUP_M * num_pid_n
+        first_m = (tile // num_in_group) * GROUP_M
+        group_size = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((tile % num_in_group) % group_size)
+        pid_n = (tile % num_in_group) // group_size
+        return pid_m, pid_n
+
+    @triton.jit
+    def _k_steps(
+        acc, a_ptr, b_ptr, ram, rbn, rk, kt_lo, kt_hi, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """``acc`` + the K steps ``kt_lo .. kt_hi - 1`` of one tile, in order (pointer loads)."""
+        for kt in range(kt_lo, kt_hi):
+            kk = kt * BLOCK_K + rk
+            a_ptrs = a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak
+            b_ptrs = b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
+                b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _tma_k_steps(
+        acc, a_desc, b_desc, off_m, off_n, kt_lo, kt_hi,
+        BLOCK_K: tl.constexpr, A_MMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr,
+    ):  # fmt: skip
+        """``acc`` + the K steps ``kt_lo .. kt_hi - 1`` of one tile, in order (TMA loads; the
+        descriptor zero-fills past K)."""
+        for ki in range(kt_lo, kt_hi):
+            off_k = ki * BLOCK_K
+            if A_MMAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_KMAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _det_gemm_fwd_kernel(
         a_ptr,
         b_ptr,
         bias_ptr,
         c_ptr,
+        ws_ptr,
         M,
         N,
         K,
@@ -79,22 +152,22 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        KC_TILES: tl.constexpr,
+        MULTI_CHUNK: tl.constexpr,
+        SPLIT: tl.constexpr,
+        FLAT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr,
         IEEE: tl.constexpr,
         INT64: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped launch order (GROUP_M row tiles share the column tiles of B in L2).
-        num_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_in_group
-        first_m = group_id * GROUP_M
-        group_size = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % num_in_group) % group_size)
-        pid_n = (pid % num_in_group) // group_size
+        # K in chunks of KC_TILES * BLOCK_K: each chunk sequentially into a fresh fp32 partial,
+        # partials added in chunk order. SPLIT: this program does chunk program_id(1) only and
+        # writes its partial to ws[chunk] (the combine kernel adds them in order).
+        pid_m, pid_n = _grouped_tile(
+            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+        )
         if INT64:
             pid_m = pid_m.to(tl.int64)
             pid_n = pid_n.to(tl.int64)
@@ -103,41 +176,99 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         if INT64:
             rk = rk.to(tl.int64)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        if SPLIT:
+            chunk = tl.program_id(1)
+            kt_begin = chunk * KC_TILES
+            kt_end = tl.minimum(k_tiles, kt_begin + KC_TILES)
+        else:
+            kt_begin = 0
+            kt_end = k_tiles
         # Out-of-range rows / columns wrap around to valid ones: rows never mix in a dot, and
         # those results are not stored.
         ram = rm % M
         rbn = rn % N
-        a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
-        b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
-                b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPLIT or not MULTI_CHUNK:  # one chunk: the split program's, or all of K
+            acc = _k_steps(
+                zero, a_ptr, b_ptr, ram, rbn, rk, kt_begin, kt_end, K,
+                stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K, UPCAST, IEEE,
+            )  # fmt: skip
+        elif FLAT:
+            # one K loop; a chunk's partial is added (and reset) after its last step
+            acc = zero
+            part = zero
+            for kt in range(0, k_tiles):
+                kk = kt * BLOCK_K + rk
+                a_ptrs = a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak
+                b_ptrs = b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
+                    b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if IEEE:
+                    part = tl.dot(a, b, part, input_precision="ieee")
+                else:
+                    part = tl.dot(a, b, part)
+                if (kt % KC_TILES == KC_TILES - 1) or (kt == k_tiles - 1):
+                    acc = acc + part
+                    part = zero
+        else:
+            # chunks in an outer loop, each an inner pipelined loop into a fresh partial
+            acc = zero
+            for c0 in range(0, k_tiles, KC_TILES):
+                part = _k_steps(
+                    zero, a_ptr, b_ptr, ram, rbn, rk, c0, tl.minimum(c0 + KC_TILES, k_tiles), K,
+                    stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K, UPCAST, IEEE,
+                )  # fmt: skip
+                acc = acc + part
+        omask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT:
+            w_ptrs = ws_ptr + chunk.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+            tl.store(w_ptrs, acc, mask=omask)
+        else:
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
+                acc = acc + bias.to(tl.float32)[None, :]
+            c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=omask)
+
+    @triton.jit
+    def _det_gemm_combine_kernel(
+        ws_ptr,
+        bias_ptr,
+        c_ptr,
+        numel,
+        N,
+        n_chunks,
+        stride_cm,
+        stride_cn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # c = (((0 + ws[0]) + ws[1]) + ...) (+ bias): the chunk order of the in-register plan.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, n_chunks):
+            total = total + tl.load(ws_ptr + c * numel + offs, mask=mask, other=0.0)
+        row = offs // N
+        col = offs % N
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+            total = total + tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
         tl.store(
-            c_ptrs,
-            acc.to(c_ptr.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
+            c_ptr + row * stride_cm + col * stride_cn,
+            total.to(c_ptr.dtype.element_ty),
+            mask=mask,
         )
 
     @triton.jit
-    def _det_gemm_fwd_tma_kernel(
+    def _det_gemm_tma_kernel(
         a_desc,
         b_desc,
         bias_ptr,
@@ -151,37 +282,41 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        KC_TILES: tl.constexpr,
+        MULTI_CHUNK: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        A_MMAJOR: tl.constexpr,
         B_KMAJOR: tl.constexpr,
         NUM_PROGS: tl.constexpr,
     ):
-        # Persistent variant (Hopper): TMA tile loads, tiles visited in the same grouped order.
-        # Each tile is computed exactly as in _det_gemm_fwd_kernel (K in order into one fp32
-        # accumulator; the TMA zero-fills the K tail), so the bits are the same; NUM_PROGS only
-        # says how many programs share the tiles.
+        # Persistent variant (Hopper): TMA tile loads, tiles visited in the grouped order. Each
+        # tile is computed exactly as in _det_gemm_fwd_kernel (K chunks, each in order into a
+        # fresh fp32 partial, partials added in order; the TMA zero-fills the K tail), so the
+        # bits are the same; NUM_PROGS only says how many programs share the tiles. A may be
+        # stored K-contiguous ([M, K]) or M-contiguous (A_MMAJOR: the descriptor is over [K, M]),
+        # B N-contiguous ([K, N]) or K-contiguous (B_KMAJOR: over [N, K]).
         start = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         num_tiles = num_pid_m * num_pid_n
         k_tiles = tl.cdiv(K, BLOCK_K)
-        num_in_group = GROUP_M * num_pid_n
-        for tile in tl.range(start, num_tiles, NUM_PROGS, flatten=True):
-            group_id = tile // num_in_group
-            first_m = group_id * GROUP_M
-            group_size = min(num_pid_m - first_m, GROUP_M)
-            pid_m = first_m + ((tile % num_in_group) % group_size)
-            pid_n = (tile % num_in_group) // group_size
+        for tile in tl.range(start, num_tiles, NUM_PROGS, flatten=not MULTI_CHUNK):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
-                off_k = ki * BLOCK_K
-                a = a_desc.load([off_m, off_k])
-                if B_KMAJOR:
-                    b = b_desc.load([off_n, off_k]).T
-                else:
-                    b = b_desc.load([off_k, off_n])
-                acc = tl.dot(a, b, acc)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if MULTI_CHUNK:
+                acc = zero
+                for c0 in range(0, k_tiles, KC_TILES):
+                    part = _tma_k_steps(
+                        zero, a_desc, b_desc, off_m, off_n, c0,
+                        tl.minimum(c0 + KC_TILES, k_tiles), BLOCK_K, A_MMAJOR, B_KMAJOR,
+                    )  # fmt: skip
+                    acc = acc + part
+            else:
+                acc = _tma_k_steps(
+                    zero, a_desc, b_desc, off_m, off_n, 0, k_tiles, BLOCK_K, A_MMAJOR, B_KMAJOR
+                )
             rm = off_m + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
             if HAS_BIAS:
@@ -315,27 +450,44 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch_fwd_tma(a, b, bias, out, cfg: DetGemmConfig) -> bool:
-    """Launch the persistent TMA kernel; ``False`` when the layouts do not allow TMA."""
+def _launch_tma(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    k_chunk: int,
+) -> bool:
+    """``out = a @ b (+ bias)`` through the persistent TMA kernel (``a`` [M, K], ``b`` [K, N],
+    either stored contiguous along either dim); ``False`` when the layouts do not allow TMA."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if a.dtype == torch.float32 or not _tma_ok(a):
+    if a.dtype == torch.float32:
         return False
-    if b.stride(0) == 1 and _tma_ok(b.t()):
-        b_kmajor, b_desc_t, b_block = True, b.t(), [cfg.block_n, cfg.block_k]
-    elif _tma_ok(b):
-        b_kmajor, b_desc_t, b_block = False, b, [cfg.block_k, cfg.block_n]
+    if _tma_ok(a):
+        a_mmajor, a_src, a_block = False, a, [block_m, block_k]
+    elif _tma_ok(a.t()):
+        a_mmajor, a_src, a_block = True, a.t(), [block_k, block_m]
+    else:
+        return False
+    if _tma_ok(b):
+        b_kmajor, b_src, b_block = False, b, [block_k, block_n]
+    elif _tma_ok(b.t()):
+        b_kmajor, b_src, b_block = True, b.t(), [block_n, block_k]
     else:
         return False
     m, k = a.shape
     n = b.shape[1]
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-    b_desc = TensorDescriptor.from_tensor(b_desc_t, b_block)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     progs = max(1, min(_num_sms(a.device), tiles))
-    _det_gemm_fwd_tma_kernel[(progs,)](
-        a_desc,
-        b_desc,
+    _det_gemm_tma_kernel[(progs,)](
+        TensorDescriptor.from_tensor(a_src, a_block),
+        TensorDescriptor.from_tensor(b_src, b_block),
         bias if bias is not None else out,
         out,
         m,
@@ -343,15 +495,18 @@ def _launch_fwd_tma(a, b, bias, out, cfg: DetGemmConfig) -> bool:
         k,
         out.stride(0),
         out.stride(1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        KC_TILES=k_chunk // block_k,
+        MULTI_CHUNK=k > k_chunk,
         HAS_BIAS=bias is not None,
+        A_MMAJOR=a_mmajor,
         B_KMAJOR=b_kmajor,
         NUM_PROGS=progs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return True
 
@@ -362,23 +517,42 @@ def _launch_fwd(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     cfg: DetGemmConfig,
+    k_chunk: int,
 ) -> None:
     m, k = a.shape
     n = b.shape[1]
     on_cpu = a.device.type == "cpu"
     if on_cpu:
         cfg = cfg.for_interpreter()
-    elif cfg.tma:
+    if k_chunk % cfg.block_k:
+        raise ValueError(f"det_gemm[triton]: block_k={cfg.block_k} must divide k_chunk={k_chunk}")
+    n_chunks = triton.cdiv(k, k_chunk)
+    if cfg.tma:
         with _guard(a):
-            if _launch_fwd_tma(a, b, bias, out, cfg):
+            if _launch_tma(
+                a,
+                b,
+                bias,
+                out,
+                cfg.block_m,
+                cfg.block_n,
+                cfg.block_k,
+                cfg.group_m,
+                cfg.num_warps,
+                cfg.num_stages,
+                k_chunk,
+            ):
                 return
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    split = cfg.split_k and n_chunks > 1
+    ws = torch.empty((n_chunks, m, n), dtype=torch.float32, device=a.device) if split else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), n_chunks if split else 1)
     with _guard(a):
         _kernel("_det_gemm_fwd_kernel", a.device)[grid](
             a,
             b,
             bias if bias is not None else out,
             out,
+            ws,
             m,
             n,
             k,
@@ -392,6 +566,10 @@ def _launch_fwd(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m,
+            KC_TILES=k_chunk // cfg.block_k,
+            MULTI_CHUNK=n_chunks > 1,
+            SPLIT=split,
+            FLAT=cfg.flat_k,
             HAS_BIAS=bias is not None,
             EVEN_K=k % cfg.block_k == 0,
             UPCAST=on_cpu and a.dtype != torch.float32,
@@ -400,12 +578,36 @@ def _launch_fwd(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+        if split:
+            block = 1024
+            _kernel("_det_gemm_combine_kernel", a.device)[(triton.cdiv(m * n, block),)](
+                ws,
+                bias if bias is not None else out,
+                out,
+                m * n,
+                n,
+                n_chunks,
+                out.stride(0),
+                out.stride(1),
+                HAS_BIAS=bias is not None,
+                BLOCK=block,
+                num_warps=4,
+            )
 
 
 def det_gemm_with_config(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: DetGemmConfig | None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: DetGemmConfig | None,
+    *,
+    k_chunk: int = K_CHUNK,
 ) -> torch.Tensor:
-    """:func:`det_gemm` with an explicit launch config (tests and tuning; same numerics)."""
+    """:func:`det_gemm` with an explicit launch config (tests and tuning; same numerics).
+
+    ``k_chunk`` other than ``K_CHUNK`` is another numerics (tests use a small one to exercise
+    many chunks on small shapes).
+    """
     _check(a, b, bias)
     _check_device(a)
     if a.dtype not in FLOAT_DTYPES:
@@ -418,7 +620,7 @@ def det_gemm_with_config(
             acc = acc + bias.float()
         return acc.to(a.dtype)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    _launch_fwd(a, b, bias, out, cfg or get_config(m, n, k, a.dtype))
+    _launch_fwd(a, b, bias, out, cfg or get_config(m, n, k, a.dtype), k_chunk)
     return out
 
 
@@ -431,16 +633,23 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None)
         bias: optional [N], same dtype.
 
     Returns:
-        [M, N] in ``a.dtype``: fp32 accumulation over K in order, one final rounding.
+        [M, N] in ``a.dtype``: K in ``K_CHUNK`` chunks, each accumulated in order into a fresh
+        fp32 partial, partials added in chunk order, one final rounding.
     """
     return det_gemm_with_config(a, b, bias, None)
 
 
 def det_gemm_wgrad_with_plan(
-    a: torch.Tensor, grad: torch.Tensor, *, split: bool | None, cfg: WgradConfig | None = None
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    split: bool | None,
+    cfg: WgradConfig | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
-    """:func:`det_gemm_wgrad` with an explicit launch plan (``split`` over token chunks or not;
-    ``None`` = heuristic). Both plans give the same bits."""
+    """:func:`det_gemm_wgrad` with an explicit launch plan: ``tma`` (the persistent TMA GEMM
+    kernel with K = tokens and ``WGRAD_CHUNK`` chunks), else ``split`` over token chunks or one
+    program per tile (``None`` = heuristic). All plans give the same bits."""
     if a.dim() != 2 or grad.dim() != 2 or a.shape[0] != grad.shape[0]:
         raise ValueError(
             f"det_gemm_wgrad: a {tuple(a.shape)} and grad {tuple(grad.shape)} need the same "
@@ -453,15 +662,34 @@ def det_gemm_wgrad_with_plan(
     _check_device(a)
     t, ko = a.shape
     n = grad.shape[1]
-    out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
-    if t == 0 or ko == 0 or n == 0:
-        return out
     on_cpu = a.device.type == "cpu"
     cfg = cfg or get_wgrad_config(a.dtype)
     if on_cpu:
         cfg = cfg.for_interpreter()
     tiles = triton.cdiv(ko, cfg.block_o) * triton.cdiv(n, cfg.block_n)
-    n_chunks = triton.cdiv(t, WGRAD_CHUNK)
+    n_chunks = triton.cdiv(t, WGRAD_CHUNK) if t > 0 else 0
+    if tma is None:
+        tma = cfg.tma and tiles >= _WGRAD_SPLIT_BELOW_TILES
+    if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
+        out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
+        with _guard(a):
+            if _launch_tma(
+                a.t(),
+                grad,
+                None,
+                out,
+                cfg.block_o,
+                cfg.block_n,
+                cfg.block_t,
+                8,
+                cfg.num_warps,
+                cfg.num_stages,
+                WGRAD_CHUNK,
+            ):
+                return out
+    out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
+    if t == 0 or ko == 0 or n == 0:
+        return out
     if split is None:
         split = (
             n_chunks > 1
@@ -537,9 +765,9 @@ PROVIDER = Provider(
     devices=("cuda", "cpu"),
     dtypes=FLOAT_DTYPES,
     invariant=True,
-    numerics="det_gemm/triton",
+    numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
-    version="1",
+    version="2",
     available=_available,
     extras={"wgrad": det_gemm_wgrad},
 )

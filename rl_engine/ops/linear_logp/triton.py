@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops.det_gemm import config as _gemm_config
 from rl_engine.ops.det_gemm import triton as _gemm
 from rl_engine.ops.linear_logp import reference
 from rl_engine.ops.logp import triton as _vocab
@@ -74,8 +75,10 @@ NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_voca
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``det_gemm(h, w.t())`` through the Triton det_gemm provider, in ``h.dtype``."""
-    return _gemm.det_gemm(h, w.t())
+    """``det_gemm(h, w.t())`` through the Triton det_gemm provider, in ``h.dtype`` (the
+    wide-product launch config for 16-bit inputs; a launch choice only, the same bits)."""
+    cfg = _gemm_config.LM_HEAD if h.dtype != torch.float32 else None
+    return _gemm.det_gemm_with_config(h, w.t(), None, cfg)
 
 
 def linear_logp_forward(
