@@ -113,20 +113,17 @@ _C = DetGemmConfig
 # 16-bit inputs (bf16 / fp16): (m_max, k_min, config); the first row with M <= m_max and
 # K >= k_min wins. Tuned on an H200 (benchmarks/bench_det_gemm.py --sweep): decode sizes use
 # narrow pointer-load tiles (deep K: split over the K chunks) so that enough programs stream the
-# weight; from 512 rows on the persistent TMA kernel, 128x256 tiles from 1024 rows on.
+# weight; from 257 rows on the persistent TMA kernel, 128x256 tiles from 513 rows on.
 # ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM head's token
 # chunks; tuned for it, performance only).
 _DEEP = K_CHUNK + 1  # more than one K chunk
 _TABLE_16BIT: tuple[tuple[int, int, DetGemmConfig], ...] = (
-    (16, _DEEP, _C(16, 32, 128, group_m=1, num_warps=2, num_stages=6, split_k=True)),
-    (16, 0, _C(16, 32, 128, group_m=1, num_warps=2, num_stages=6)),
-    (64, _DEEP, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6, flat_k=True)),
-    (64, 0, _C(64, 32, 128, group_m=1, num_warps=4, num_stages=4)),
+    (16, 0, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (64, 0, _C(64, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
     (128, _DEEP, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, split_k=True)),
-    (256, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (512, _DEEP, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (512, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4)),
-    (1024, _DEEP, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (256, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (512, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (1 << 62, _DEEP, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
     (1 << 62, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
 )
 
