@@ -7,6 +7,9 @@ checks (large shapes, int64-sized rows, torch.compile with inductor, CUDA graph 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 
@@ -262,16 +265,73 @@ def test_rms_norm_fused_backward_equals_separate_extras(dtype, h):
     assert_bitwise(dw3, dw, "3-d dW")
 
 
+# the backward's schedule-only knobs (no effect on bits); each must give the default's bits
+_BWD_SCHEDULES = (
+    {"prefetch": True, "stages": 1, "reload_weight": False},
+    {"prefetch": False, "stages": 1, "reload_weight": False},
+    {"prefetch": False, "stages": 3, "reload_weight": True},
+    {"prefetch": True, "reload_weight": True, "combine_block": 16, "combine_unroll": 3},
+    {"combine_block": 256, "combine_unroll": 1, "combine_warps": 1},
+)
+
+
 @needs_triton
-def test_rms_norm_fused_backward_without_prefetch(monkeypatch):
-    """Tiles too large to double-buffer (H > 8192) load in place: the same bits."""
-    x, gy, gs = (_rand(40, 96, dtype=torch.float16) for _ in range(3))
-    w = _rand(96, dtype=torch.float16)
+@pytest.mark.parametrize("h", [96, 2048])
+def test_rms_norm_backward_schedule_knobs_keep_bits(h):
+    """Prefetch, pipelining depth, weight reloads and the combine's launch change no bit."""
+    cfg = rms_triton.get_bwd_config(h)
+    m = 2 * cfg.wgrad_chunk + 5
+    x, gy, gs = (_rand(m, h, dtype=torch.float16) for _ in range(3))
+    w = _rand(h, dtype=torch.float16)
     want = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
-    monkeypatch.setattr(rms_triton, "_PREFETCH_MAX_TILE", 0)
-    got = rms_triton.rms_norm_backward(gy, x, w, EPS, gs)
-    assert_bitwise(got[0], want[0], "dx without prefetch")
-    assert_bitwise(got[1], want[1], "dW without prefetch")
+    for knobs in _BWD_SCHEDULES:
+        c = dataclasses.replace(cfg, **knobs)
+        got = rms_triton._backward(gy, x, w, EPS, gs, cfg=c)
+        assert_bitwise(got[0], want[0], f"dx with {knobs}")
+        assert_bitwise(got[1], want[1], f"dW with {knobs}")
+        wg = rms_triton._backward(gy, x, None, EPS, None, cfg=c)[1]
+        assert_bitwise(wg, want[1], f"wgrad-only dW with {knobs}")
+
+
+def test_rms_norm_backward_config_depends_on_hidden_size_only():
+    """The backward rule: valid for every H, one value per H, chunks of whole dX tiles."""
+    params = inspect.signature(rms_triton.get_bwd_config).parameters
+    assert list(params) == ["h"]
+    for h in (1, 16, 72, 128, 760, 1128, 2048, 4096, 5120, 8192, 16384, 65536):
+        c = rms_triton.get_bwd_config(h)
+        assert c == rms_triton.get_bwd_config(h)
+        assert c.block_h >= h and c.block_h == rms_triton.get_config(h).block_h
+        assert c.rows >= 1 and c.wgrad_chunk % c.rows == 0
+        assert rms_triton.get_config(h).wgrad_chunk == c.wgrad_chunk
+    with pytest.raises(ValueError, match="hidden size"):
+        rms_triton.get_bwd_config(rms_triton.MAX_HIDDEN + 1)
+    c = rms_triton.get_bwd_config(2048)
+    for bad in ({"rows": 2, "wgrad_chunk": 5}, {"rows": 3}, {"num_warps": 3}, {"stages": 0}):
+        with pytest.raises(ValueError, match="invalid backward configuration"):
+            dataclasses.replace(c, **bad)
+
+
+@needs_triton
+@pytest.mark.parametrize("h", [200, 2048])
+def test_rms_norm_backward_dx_row_invariance_across_chunks(h):
+    """dX of the fused backward (and of the dX kernel) is bitwise row invariant for row counts
+    on both sides of the weight-gradient chunk boundaries (1, chunk - 1, chunk, chunk + 1, ...)."""
+    cfg = rms_triton.get_bwd_config(h)
+    ch = cfg.wgrad_chunk
+    n = 2 * ch + 3
+    x, gy = _rand(n, h, dtype=torch.float16), _rand(n, h, dtype=torch.float16)
+    w = _rand(h, dtype=torch.float16)
+
+    def fused_dx(idx):
+        i = idx.long()
+        return rms_triton.rms_norm_backward(gy[i], x[i], w, EPS)[0]
+
+    counts = sorted({1, 2, cfg.rows + 1, ch - 1, ch, ch + 1, 2 * ch + 1})
+    rows = torch.arange(float(n), device=DEVICE)
+    check_row_invariance(fused_dx, rows, counts=counts, what=f"fused dX H={h}")
+    want = rms_triton.rms_norm_backward(gy, x, w, EPS)[0]
+    for k in counts:
+        assert_bitwise(rms_triton.rms_norm_dx(gy[-k:], x[-k:], w, EPS), want[-k:], f"dX {k=}")
 
 
 @needs_triton
