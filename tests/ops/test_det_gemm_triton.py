@@ -72,7 +72,9 @@ def test_resolves_under_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config.reload()
     op = KernelRegistry.get_op("det_gemm", device="cpu", backend="triton")
-    assert op.provider.name == "triton" and op.numerics == f"det_gemm/triton-kc{gemm_config.K_CHUNK}"
+    assert (
+        op.provider.name == "triton" and op.numerics == f"det_gemm/triton-kc{gemm_config.K_CHUNK}"
+    )
     # default resolution on the CPU stays native (the reference comes first there)
     assert KernelRegistry.get_op("det_gemm", device="cpu").provider.name == "native"
 
