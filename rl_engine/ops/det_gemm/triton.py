@@ -87,6 +87,31 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
+    def _k_step(
+        acc, a_ptr, b_ptr, ram, rbn, rk, kt, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """``acc`` + K step ``kt`` of one tile (pointer loads; masked past K)."""
+        kk = kt * BLOCK_K + rk
+        a_ptrs = a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak
+        b_ptrs = b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _k_steps(
         acc, a_ptr, b_ptr, ram, rbn, rk, kt_lo, kt_hi, K,
         stride_am, stride_ak, stride_bk, stride_bn,
@@ -94,22 +119,10 @@ if triton is not None:
     ):  # fmt: skip
         """``acc`` + the K steps ``kt_lo .. kt_hi - 1`` of one tile, in order (pointer loads)."""
         for kt in range(kt_lo, kt_hi):
-            kk = kt * BLOCK_K + rk
-            a_ptrs = a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak
-            b_ptrs = b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
-                b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _k_step(
+                acc, a_ptr, b_ptr, ram, rbn, rk, kt, K,
+                stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K, UPCAST, IEEE,
+            )  # fmt: skip
         return acc
 
     @triton.jit
@@ -199,22 +212,10 @@ if triton is not None:
             acc = zero
             part = zero
             for kt in range(0, k_tiles):
-                kk = kt * BLOCK_K + rk
-                a_ptrs = a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak
-                b_ptrs = b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
-                    b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                if IEEE:
-                    part = tl.dot(a, b, part, input_precision="ieee")
-                else:
-                    part = tl.dot(a, b, part)
+                part = _k_step(
+                    part, a_ptr, b_ptr, ram, rbn, rk, kt, K,
+                    stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K, UPCAST, IEEE,
+                )  # fmt: skip
                 if (kt % KC_TILES == KC_TILES - 1) or (kt == k_tiles - 1):
                     acc = acc + part
                     part = zero
