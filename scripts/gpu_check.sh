@@ -6,7 +6,7 @@
 #   SKIP_TESTS=1 bash scripts/gpu_check.sh            # benchmarks only
 #   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
 #   TESTS="tests/ops/test_attention.py" BENCHES="attention trainer" bash scripts/gpu_check.sh
-#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
+#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
 # megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
@@ -39,8 +39,12 @@ mkdir -p "$RES"
 status=0
 if [ "${SKIP_TESTS:-0}" = "0" ]; then
   TESTS=${TESTS:-tests/ops tests/invariance tests/adapters}
-  echo "== pytest $TESTS -m 'not slow' (CUDA) =="
-  timeout "${TEST_TIMEOUT:-3000}" $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs ${PYTEST_ARGS:-} \
+  # pytest-xdist (when installed): N processes share the one GPU; compiling Triton kernels is
+  # CPU-bound, so this is what keeps the whole suite inside one 10-minute device call
+  XDIST=""
+  if $PY -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_WORKERS:-8}"; fi
+  echo "== pytest $TESTS -m 'not slow' (CUDA) $XDIST =="
+  timeout "${TEST_TIMEOUT:-3000}" $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs $XDIST ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest.log"
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"

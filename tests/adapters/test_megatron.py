@@ -14,7 +14,15 @@ import trainer_cases as tc  # noqa: E402
 from rl_engine.testing.invariance import assert_bitwise  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.megatron
+# This is the CPU suite (native providers, CPU tensors). On a CUDA machine the adapter puts the
+# model on the GPU, where tests/adapters/test_trainer_gpu.py covers the same cases with the
+# Triton providers.
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CPU suite; CUDA runs tests/adapters/test_trainer_gpu.py"
+    ),
+]
 
 # (arch, dtype, tied): every architecture, both dtypes, tied and untied embeddings.
 CASES = [
