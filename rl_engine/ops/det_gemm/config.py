@@ -43,7 +43,9 @@ __all__ = [
 # Forward K chunk (part of the numerics of the ``triton`` family; see module doc).
 K_CHUNK = 4096
 # Weight-gradient token chunk (part of the numerics of the ``triton`` family; see module doc).
-WGRAD_CHUNK = 256
+# The forward's chunk: the weight gradient is this GEMM with K = tokens. (256 until version 3:
+# a 4-step inner loop per chunk drained the wgmma pipeline every 256 tokens, ~half speed.)
+WGRAD_CHUNK = K_CHUNK
 
 # In the Triton interpreter ``tl.dot`` is one numpy matmul of the whole tile (partial sum of
 # BLOCK_K products, then added to the accumulator), so there BLOCK_K *would* change the order.
@@ -110,31 +112,40 @@ class WgradConfig:
 
 _C = DetGemmConfig
 
-# 16-bit inputs (bf16 / fp16): (m_max, k_min, config); the first row with M <= m_max and
-# K >= k_min wins. Tuned on an H200 (benchmarks/bench_det_gemm.py --sweep): decode sizes use
-# narrow pointer-load tiles (deep K: split over the K chunks) so that enough programs stream the
-# weight; from 257 rows on the persistent TMA kernel, 128x256 tiles from 513 rows on.
+# 16-bit inputs (bf16 / fp16): (m_max, k_min, n_min, config); the first row with M <= m_max,
+# K >= k_min and N >= n_min wins. Tuned on an H200 from CUDA-graph timings over cold operands
+# (benchmarks/bench_det_gemm.py --sweep): decode sizes use narrow pointer-load tiles (deep K:
+# split over the K chunks) so that enough programs stream the weight; from 129 rows on, wide
+# products (N >= 8192) take the persistent TMA kernel with 128x256 tiles, narrow ones keep
+# more, smaller tiles; from 257 rows on the TMA kernel everywhere.
 # ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM head's token
 # chunks; tuned for it, performance only).
 _DEEP = K_CHUNK + 1  # more than one K chunk
-_TABLE_16BIT: tuple[tuple[int, int, DetGemmConfig], ...] = (
-    (16, 0, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
-    (64, 0, _C(64, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
-    (128, _DEEP, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, split_k=True)),
-    (256, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
-    (512, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (1 << 62, _DEEP, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (1 << 62, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+_WIDE = 8192
+_TABLE_16BIT: tuple[tuple[int, int, int, DetGemmConfig], ...] = (
+    (16, _DEEP, 0, _C(16, 128, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (16, 0, 0, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6, flat_k=True)),
+    (64, _DEEP, 0, _C(64, 64, 64, group_m=1, num_warps=4, num_stages=5, split_k=True)),
+    (64, 0, 0, _C(64, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (128, _DEEP, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (128, 0, _WIDE, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (128, 0, 0, _C(128, 64, 64, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (256, _DEEP, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, tma=True)),
+    (256, 0, _WIDE, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+    (256, 0, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (512, 0, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (1 << 62, _DEEP, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (1 << 62, 0, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
 )
 
 LM_HEAD = _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
 
 # fp32 inputs: IEEE FMA dots (no TF32), smaller tiles.
-_TABLE_FP32: tuple[tuple[int, int, DetGemmConfig], ...] = (
-    (16, _DEEP, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3, split_k=True)),
-    (16, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
-    (64, 0, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
-    (1 << 62, 0, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+_TABLE_FP32: tuple[tuple[int, int, int, DetGemmConfig], ...] = (
+    (16, _DEEP, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3, split_k=True)),
+    (16, 0, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    (64, 0, 0, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+    (1 << 62, 0, 0, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
 )
 
 _WGRAD_16BIT = WgradConfig(
@@ -143,16 +154,16 @@ _WGRAD_16BIT = WgradConfig(
 _WGRAD_FP32 = WgradConfig(block_o=64, block_n=64, block_t=32, num_warps=4, num_stages=3)
 
 
-def _table(dtype: torch.dtype) -> tuple[tuple[int, int, DetGemmConfig], ...]:
+def _table(dtype: torch.dtype) -> tuple[tuple[int, int, int, DetGemmConfig], ...]:
     return _TABLE_FP32 if dtype == torch.float32 else _TABLE_16BIT
 
 
 def get_config(m: int, n: int, k: int, dtype: torch.dtype) -> DetGemmConfig:
     """The forward config for an [m, k] x [k, n] product (shape-dependent, numerics-free)."""
-    for m_max, k_min, cfg in _table(dtype):
-        if m <= m_max and k >= k_min:
+    for m_max, k_min, n_min, cfg in _table(dtype):
+        if m <= m_max and k >= k_min and n >= n_min:
             return cfg
-    return _table(dtype)[-1][2]
+    return _table(dtype)[-1][3]
 
 
 def get_wgrad_config(dtype: torch.dtype) -> WgradConfig:
@@ -162,7 +173,7 @@ def get_wgrad_config(dtype: torch.dtype) -> WgradConfig:
 def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
     """Every distinct forward config the table can return for ``dtype`` (for the tests)."""
     seen: list[DetGemmConfig] = []
-    for _, _, cfg in _table(dtype):
+    for *_, cfg in _table(dtype):
         if cfg not in seen:
             seen.append(cfg)
     return seen

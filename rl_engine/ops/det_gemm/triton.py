@@ -28,6 +28,10 @@ Version 2 (``-kc4096``): the forward's K chunks are new; version 1 accumulated a
 accumulator, which gives the same bits for K <= 4096 (most hidden sizes: only deep reductions
 such as an MLP down projection see chunks). The weight gradient's bits are unchanged.
 
+Version 3: ``WGRAD_CHUNK`` 256 -> 4096 (= ``K_CHUNK``): new weight-gradient bits for more than
+256 tokens (forward bits unchanged). With 256-token chunks the chunk loop was 4 K steps long and
+the tensor-core pipeline drained at every chunk end.
+
 Not promised: identity with the ``native`` family, across GPU models, or across Triton versions.
 On the CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``); there 16-bit tiles
 are widened to fp32 before the dot (the interpreter computes bf16 dots wrongly) and the K step
@@ -768,7 +772,8 @@ PROVIDER = Provider(
     invariant=True,
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
-    version="2",
+    # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096
+    version="3",
     available=_available,
     extras={"wgrad": det_gemm_wgrad},
 )
