@@ -84,6 +84,50 @@ def bench(fn: Callable[[], Any], *, quick: bool = False) -> float:
     return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def cold_copies(tensors: Sequence[torch.Tensor], *, max_sets: int = 16) -> list[tuple]:
+    """Enough copies of ``tensors`` that cycling through them keeps every call's operands out of
+    L2: the copies together span >= 4x the L2 size (at most ``max_sets`` sets; the originals are
+    the first set)."""
+    per_set = sum(t.numel() * t.element_size() for t in tensors)
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    n = max(1, min(max_sets, math.ceil(4 * l2 / max(per_set, 1))))
+    return [tuple(tensors)] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+def bench_graph(fn: Callable[..., Any], sets: Sequence[tuple], *, quick: bool = False) -> float:
+    """Median GPU time per call of ``fn(*set)`` in microseconds, replayed from one CUDA graph
+    that calls it once per set of ``sets`` (see :func:`cold_copies`; at least 8 calls).
+
+    What this takes out that :func:`bench` keeps: the host's launch time. ``bench`` starts its
+    clock before ``fn`` runs on the host, so a call whose Python launch path is longer than the
+    L2 flush in front of it is timed partly on the CPU (tens of microseconds for a Triton launch;
+    the size of a whole small GEMM). Under a graph the kernels run back to back, as vLLM's
+    decode runs them. Same method for every baseline.
+    """
+    for st in sets[:2]:
+        fn(*st)  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    calls = max(8, len(sets))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5 if quick else 15):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
 def geomean(values: Sequence[float]) -> float:
     vals = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")

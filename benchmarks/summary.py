@@ -40,10 +40,13 @@ def main() -> None:
         if rows and data.get("op") == "det_gemm":
             ms = sorted({r["m"] for r in rows})
             shapes = list(dict.fromkeys(r["shape"] for r in rows))
-            print("  ratio vs cuBLAS   " + " ".join(f"{m:>6d}" for m in ms))
-            for s in shapes:
-                vals = {r["m"]: r["ratio"] for r in rows if r["shape"] == s}
-                print(f"  {s:17s} " + " ".join(f"{vals.get(m, float('nan')):6.2f}" for m in ms))
+            for key, title in (("ratio", "eager"), ("graph_ratio", "CUDA graph")):
+                if not all(key in r for r in rows):
+                    continue
+                print(f"  {title} ratio vs cuBLAS " + " ".join(f"{m:>6d}" for m in ms))
+                for s in shapes:
+                    vals = {r["m"]: r[key] for r in rows if r["shape"] == s}
+                    print(f"  {s:17s} " + " ".join(f"{vals.get(m, float('nan')):6.2f}" for m in ms))
 
 
 if __name__ == "__main__":
