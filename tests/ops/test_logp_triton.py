@@ -124,7 +124,12 @@ def test_direct_call_errors():
     with pytest.raises(ValueError, match="> 0"):
         ent_triton.entropy(x, 0.0)
     with pytest.raises(ValueError, match="disagree on H"):
-        ll_triton.linear_logp(x, torch.randn(7, 4, device=DEVICE), torch.zeros(3).long(), 1.0)
+        ll_triton.linear_logp(
+            x,
+            torch.randn(7, 4, device=DEVICE),
+            torch.zeros(3, dtype=torch.long, device=DEVICE),
+            1.0,
+        )
     if not ON_GPU:  # the range check is a device-side assert on CUDA
         with pytest.raises(ValueError, match=r"\[0, 5\)"):
             lp_triton.logp(x, torch.tensor([0, 5, 1]), 1.0)
