@@ -31,7 +31,9 @@ def main() -> None:
                 f"{head}: copy {lim['copy_tb_s']:.2f} TB/s, bf16 mm {lim['bf16_mm_tflop_s']:.0f} TFLOP/s"
             )
             continue
-        summ = data.get("summary", {})
+        summ = data.get("summary") or {
+            k: v for k, v in data.items() if k.startswith("ratio_") or k.endswith("_diff")
+        }
         figs = ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summ.items()
         )
