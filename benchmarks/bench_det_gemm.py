@@ -42,6 +42,10 @@ def _t(bm, bn, bk, g, w, st):
     return C(bm, bn, bk, g, w, st, tma=True)
 
 
+def _ts(bm, bn, bk, g, w, st):
+    return C(bm, bn, bk, g, w, st, tma=True, split_k=True)
+
+
 def _f(bm, bn, bk, g, w, st):
     return C(bm, bn, bk, g, w, st, flat_k=True)
 
@@ -90,6 +94,11 @@ _SWEEP: dict[str, list[C]] = {
         _s(32, 128, 128, 1, 4, 4),
         _t(128, 64, 64, 8, 4, 4),
         _t(64, 64, 128, 8, 4, 4),
+        # persistent TMA over (K chunk, tile) items: deep K with few rows
+        _ts(128, 128, 64, 8, 8, 4),
+        _ts(64, 128, 64, 8, 4, 4),
+        _ts(128, 256, 64, 8, 8, 3),
+        _ts(64, 64, 128, 8, 4, 4),
     ],
     "large": [  # M > 512
         _t(128, 128, 64, 8, 8, 4),
@@ -108,7 +117,17 @@ _SWEEP: dict[str, list[C]] = {
 
 
 def _cname(c: C) -> str:
-    kind = "T" if c.tma else "S" if c.split_k else "F" if c.flat_k else "P"
+    kind = (
+        "TS"
+        if c.tma and c.split_k
+        else "T"
+        if c.tma
+        else "S"
+        if c.split_k
+        else "F"
+        if c.flat_k
+        else "P"
+    )
     return f"{kind}{c.block_m}x{c.block_n}x{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
 
 

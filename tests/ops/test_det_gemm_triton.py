@@ -158,6 +158,9 @@ def _plans(dtype):
             c,
             dataclasses.replace(c, split_k=not c.split_k, tma=False),
             dataclasses.replace(c, split_k=False, tma=False, flat_k=not c.flat_k),
+            # the persistent TMA kernel over (chunk, tile) items (pointer split where TMA
+            # cannot run: CPU, fp32)
+            dataclasses.replace(c, split_k=True, tma=True, flat_k=False),
         ):
             if v not in out:
                 out.append(v)

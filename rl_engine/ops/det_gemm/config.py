@@ -67,7 +67,8 @@ class DetGemmConfig:
     # Persistent kernel with TMA tile loads (CUDA, 16-bit, aligned layouts; otherwise the
     # pointer kernel runs). Same per-tile reduction order, so the same bits.
     tma: bool = False
-    # One program per (tile, K chunk) + the ordered combination kernel (pointer kernel only).
+    # One program (pointer kernel) or work item (persistent TMA kernel, with ``tma``) per
+    # (tile, K chunk), fp32 partials, + the ordered combination kernel.
     split_k: bool = False
     # Pointer kernel, several chunks per program: one K loop that adds and resets the partial
     # after a chunk's last step (streams better at small tiles) instead of a loop per chunk.
@@ -82,8 +83,6 @@ class DetGemmConfig:
             raise ValueError(f"block_k={self.block_k} must divide K_CHUNK={K_CHUNK}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
-        if self.tma and self.split_k:
-            raise ValueError("split_k runs the pointer kernel: tma must be False")
 
     def for_interpreter(self) -> DetGemmConfig:
         return dataclasses.replace(self, block_k=INTERPRETER_BLOCK_K, tma=False)
@@ -115,9 +114,10 @@ _C = DetGemmConfig
 # 16-bit inputs (bf16 / fp16): (m_max, k_min, n_min, config); the first row with M <= m_max,
 # K >= k_min and N >= n_min wins. Tuned on an H200 from CUDA-graph timings over cold operands
 # (benchmarks/bench_det_gemm.py --sweep): decode sizes use narrow pointer-load tiles (deep K:
-# split over the K chunks) so that enough programs stream the weight; from 129 rows on, wide
-# products (N >= 8192) take the persistent TMA kernel with 128x256 tiles, narrow ones keep
-# more, smaller tiles; from 257 rows on the TMA kernel everywhere.
+# split over the K chunks) so that enough programs stream the weight; wide products (N >= 8192)
+# take the persistent TMA kernel from 65 rows on; deep K with 129-256 rows the persistent TMA
+# kernel over (chunk, tile) items; from 257 rows on the TMA kernel everywhere. Where two
+# configs tie on GPU time the pointer kernel wins: its Python launch path is shorter.
 # ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM head's token
 # chunks; tuned for it, performance only).
 _DEEP = K_CHUNK + 1  # more than one K chunk
@@ -129,10 +129,11 @@ _TABLE_16BIT: tuple[tuple[int, int, int, DetGemmConfig], ...] = (
     (64, 0, 0, _C(64, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
     (128, _DEEP, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
     (128, 0, _WIDE, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (128, 0, 0, _C(128, 64, 64, group_m=1, num_warps=4, num_stages=4, split_k=True)),
-    (256, _DEEP, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, tma=True)),
+    (128, 0, 0, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (256, _DEEP, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, split_k=True)),
     (256, 0, _WIDE, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
     (256, 0, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (512, 0, _WIDE, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
     (512, 0, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
     (1 << 62, _DEEP, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
     (1 << 62, 0, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),

@@ -12,7 +12,8 @@ nor the plan changes the order (a test proves every shipped config bitwise equal
 
 * one program per output tile walks all chunks and adds the partials in registers (pointer
   kernel, or the persistent TMA kernel on Hopper), or
-* ``split_k``: one program per (tile, chunk) writes its fp32 partial, and a second kernel adds
+* ``split_k``: one program (pointer kernel) or persistent work item (TMA kernel, ``split_k``
+  with ``tma``) per (tile, chunk) writes its fp32 partial, and a second kernel adds
   the partials in chunk order. This is what gives decode-sized M enough programs to stream the
   weight at memory speed, without an M-dependent split: the chunking is the same for every M.
 
@@ -278,6 +279,7 @@ if triton is not None:
         b_desc,
         bias_ptr,
         c_ptr,
+        ws_ptr,
         M,
         N,
         K,
@@ -289,6 +291,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         KC_TILES: tl.constexpr,
         MULTI_CHUNK: tl.constexpr,
+        SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         A_MMAJOR: tl.constexpr,
         B_KMAJOR: tl.constexpr,
@@ -305,6 +308,44 @@ if triton is not None:
         num_pid_n = tl.cdiv(N, BLOCK_N)
         num_tiles = num_pid_m * num_pid_n
         k_tiles = tl.cdiv(K, BLOCK_K)
+        if SPLIT:
+            # SPLIT: the work items are (K chunk, tile) pairs, chunk-major (the programs in
+            # flight share the A rows of one chunk); each writes its chunk's fresh fp32 partial
+            # to ws[chunk], which _det_gemm_combine_kernel adds in chunk order (bias there).
+            n_chunks = tl.cdiv(k_tiles, KC_TILES)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for item in tl.range(start, num_tiles * n_chunks, NUM_PROGS, flatten=True):
+                chunk = item // num_tiles
+                pid_m, pid_n = _grouped_tile(item % num_tiles, num_pid_m, num_pid_n, GROUP_M)
+                off_m = pid_m * BLOCK_M
+                off_n = pid_n * BLOCK_N
+                kt0 = chunk * KC_TILES
+                part = _tma_k_steps(
+                    zero, a_desc, b_desc, off_m, off_n, kt0,
+                    tl.minimum(kt0 + KC_TILES, k_tiles), BLOCK_K, A_MMAJOR, B_KMAJOR,
+                )  # fmt: skip
+                rm = off_m + tl.arange(0, BLOCK_M)
+                rn = off_n + tl.arange(0, BLOCK_N)
+                w_ptrs = (
+                    ws_ptr + chunk.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+                )
+                tl.store(w_ptrs, part, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        else:
+            _tma_tiles(
+                a_desc, b_desc, bias_ptr, c_ptr, M, N, stride_cm, stride_cn, start, num_tiles,
+                num_pid_m, num_pid_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, KC_TILES,
+                MULTI_CHUNK, HAS_BIAS, A_MMAJOR, B_KMAJOR, NUM_PROGS,
+            )  # fmt: skip
+
+    @triton.jit
+    def _tma_tiles(
+        a_desc, b_desc, bias_ptr, c_ptr, M, N, stride_cm, stride_cn, start, num_tiles,
+        num_pid_m, num_pid_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, KC_TILES: tl.constexpr,
+        MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, A_MMAJOR: tl.constexpr,
+        B_KMAJOR: tl.constexpr, NUM_PROGS: tl.constexpr,
+    ):  # fmt: skip
+        """The in-register plan of _det_gemm_tma_kernel: each tile walks all its K chunks."""
         for tile in tl.range(start, num_tiles, NUM_PROGS, flatten=not MULTI_CHUNK):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
@@ -467,9 +508,12 @@ def _launch_tma(
     num_warps: int,
     num_stages: int,
     k_chunk: int,
+    split: bool = False,
 ) -> bool:
     """``out = a @ b (+ bias)`` through the persistent TMA kernel (``a`` [M, K], ``b`` [K, N],
-    either stored contiguous along either dim); ``False`` when the layouts do not allow TMA."""
+    either stored contiguous along either dim); ``False`` when the layouts do not allow TMA.
+    ``split`` (with more than one K chunk): one work item per (chunk, tile) writing fp32
+    partials, then the ordered combine kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if a.dtype == torch.float32:
@@ -489,12 +533,16 @@ def _launch_tma(
     m, k = a.shape
     n = b.shape[1]
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    progs = max(1, min(_num_sms(a.device), tiles))
+    n_chunks = triton.cdiv(k, k_chunk)
+    split = split and n_chunks > 1
+    ws = torch.empty((n_chunks, m, n), dtype=torch.float32, device=a.device) if split else out
+    progs = max(1, min(_num_sms(a.device), tiles * (n_chunks if split else 1)))
     _det_gemm_tma_kernel[(progs,)](
         TensorDescriptor.from_tensor(a_src, a_block),
         TensorDescriptor.from_tensor(b_src, b_block),
         bias if bias is not None else out,
         out,
+        ws,
         m,
         n,
         k,
@@ -506,6 +554,7 @@ def _launch_tma(
         GROUP_M=group_m,
         KC_TILES=k_chunk // block_k,
         MULTI_CHUNK=k > k_chunk,
+        SPLIT=split,
         HAS_BIAS=bias is not None,
         A_MMAJOR=a_mmajor,
         B_KMAJOR=b_kmajor,
@@ -513,7 +562,28 @@ def _launch_tma(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split:
+        _combine(ws, bias, out, n_chunks)
     return True
+
+
+def _combine(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_chunks: int) -> None:
+    """``out = (((0 + ws[0]) + ws[1]) + ...) (+ bias)`` in ``out.dtype`` (the split plans)."""
+    m, n = out.shape
+    block = 1024
+    _kernel("_det_gemm_combine_kernel", out.device)[(triton.cdiv(m * n, block),)](
+        ws,
+        bias if bias is not None else out,
+        out,
+        m * n,
+        n,
+        n_chunks,
+        out.stride(0),
+        out.stride(1),
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 def _launch_fwd(
@@ -546,6 +616,7 @@ def _launch_fwd(
                 cfg.num_warps,
                 cfg.num_stages,
                 k_chunk,
+                cfg.split_k,
             ):
                 return
     split = cfg.split_k and n_chunks > 1
@@ -584,20 +655,7 @@ def _launch_fwd(
             num_stages=cfg.num_stages,
         )
         if split:
-            block = 1024
-            _kernel("_det_gemm_combine_kernel", a.device)[(triton.cdiv(m * n, block),)](
-                ws,
-                bias if bias is not None else out,
-                out,
-                m * n,
-                n,
-                n_chunks,
-                out.stride(0),
-                out.stride(1),
-                HAS_BIAS=bias is not None,
-                BLOCK=block,
-                num_warps=4,
-            )
+            _combine(ws, bias, out, n_chunks)
 
 
 def det_gemm_with_config(
