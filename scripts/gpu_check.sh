@@ -12,7 +12,8 @@
 # megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
 #
 # No install needed: the checkout goes on PYTHONPATH. What comes back from $OUT: pytest.log,
-# bench.log, results.tgz (benchmarks/results/<gpu>/) and summary.txt.
+# tests.json (exit status and counts), bench.log, results.tgz (benchmarks/results/<gpu>/) and
+# summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -48,6 +49,15 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
     2>&1 | tee "$OUT/pytest.log"
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
+  # machine-readable result next to the log (counts from pytest's last line)
+  $PY - "$OUT/pytest.log" "$status" "$OUT/tests.json" "$TESTS" <<'PYEOF'
+import json, re, sys
+log, status, out, tests = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+last = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()][-1:] or [""]
+counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last[0])}
+json.dump({"tests": tests.split(), "exit_status": status, "counts": counts, "summary": last[0]},
+          open(out, "w"), indent=1)
+PYEOF
 fi
 
 echo "== benchmarks =="
