@@ -11,6 +11,8 @@ Variables:
         ``RL_ENGINE_BACKEND``.
     RL_ENGINE_VLLM: ``1`` switches the vLLM plugin on inside vLLM's processes.
     RL_ENGINE_PROVENANCE_DIR: folder where adapters write the registry report of their process.
+    RL_ENGINE_CHECK_LAUNCH: ``1`` makes every cached Triton launch also ask Triton which compiled
+        kernel its own argument binding picks and raise if the cache picked another (tests).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -34,6 +36,7 @@ class Settings:
     vllm_plugin: bool = False
     provenance_dir: str | None = None
     triton_interpret: bool = False
+    check_launch: bool = False
 
     def pin_for(self, op_type: str) -> str | None:
         """The provider pinned for ``op_type`` by configuration, or ``None``."""
@@ -56,6 +59,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         vllm_plugin=environ.get(_PREFIX + "VLLM", "0").strip().lower() in _TRUE,
         provenance_dir=environ.get(_PREFIX + "PROVENANCE_DIR") or None,
         triton_interpret=environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE,
+        check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
     )
 
 
@@ -90,4 +94,5 @@ def set_mode(mode: str) -> None:
         vllm_plugin=current.vllm_plugin,
         provenance_dir=current.provenance_dir,
         triton_interpret=current.triton_interpret,
+        check_launch=current.check_launch,
     )

@@ -1,5 +1,6 @@
 """Host-side helpers shared by every Triton provider: availability, device checks, the device
-guard, and running a ``@triton.jit`` kernel in the interpreter for CPU tensors.
+guard, cached launches of ``@triton.jit`` kernels, and running a kernel in the interpreter for
+CPU tensors.
 
 Kernels live in each op's ``triton.py``; this module holds no kernel and no numerics.
 """
@@ -20,6 +21,19 @@ try:  # Triton is optional: without it every Triton provider reports why it cann
 except Exception as exc:  # ImportError, or a broken install
     triton = None  # type: ignore[assignment]
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+try:  # what the cached launch path uses of Triton (present in the Triton versions we test)
+    from triton import knobs as _knobs
+    from triton.compiler import CompiledKernel as _CompiledKernel
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+
+    _CACHED_LAUNCH = all(
+        hasattr(_CompiledKernel, a) for a in ("run", "launch_metadata", "_init_handles")
+    ) and hasattr(_knobs.runtime, "launch_enter_hook")
+except Exception:  # older / newer Triton: every launch takes Triton's own path
+    _knobs = None  # type: ignore[assignment]
+    _TensorDescriptor = None  # type: ignore[assignment,misc]
+    _CACHED_LAUNCH = False
 
 _interpreted: dict[str, Any] = {}
 
@@ -57,9 +71,21 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
     raise RuntimeError(f"{op}[triton]: tensors on {dev} are not supported (cuda or cpu)")
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a constexpr function: slower to call)."""
+    return -(-a // b)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t: torch.Tensor) -> Any:
-    """``torch.cuda.device(t.device)`` for CUDA tensors, a no-op context otherwise."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """``torch.cuda.device(t.device)`` for CUDA tensors on another device than the current one,
+    a no-op context otherwise (the common case: no device switch, no context-manager cost)."""
+    idx = t.get_device()
+    if idx < 0 or idx == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(idx)
 
 
 def interpreted(kern: Any, device: torch.device) -> Any:
@@ -75,3 +101,186 @@ def interpreted(kern: Any, device: torch.device) -> Any:
     if key not in _interpreted:
         _interpreted[key] = InterpretedFunction(kern.fn)
     return _interpreted[key]
+
+
+# --- cached launches -------------------------------------------------------------------------
+
+_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+
+
+def _arg_spec(v: Any) -> Any:
+    """What Triton's argument binding can specialize on in ``v``, or more: a tensor's dtype and
+    16-byte alignment, an integer's value when it is -1, 0 or 1, else its divisibility by 16 and
+    its width (i32 / i64 / u64), a bool's type and value, a float's type, a tensor descriptor's dtype, block shape, rank,
+    padding and base alignment; anything else (``None``, constexpr values) as itself."""
+    tp = type(v)
+    if tp is int:
+        if -1 <= v <= 1:
+            return v
+        return (v % 16 == 0, v < _I32_MIN or v > _I32_MAX, v > _I64_MAX)
+    if tp is bool:
+        return (bool, v)  # not equal to the key of the integer 1
+    if v is None:
+        return v
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if tp is float:
+        return float
+    if _TensorDescriptor is not None and tp is _TensorDescriptor:
+        return (
+            v.base.dtype,
+            tuple(v.block_shape),
+            len(v.shape),
+            v.padding,
+            v.base.data_ptr() % 16 == 0,
+        )
+    return v
+
+
+class Launcher:
+    """Launches of one ``@triton.jit`` kernel on CUDA that skip Triton's per-call binding.
+
+    ``kernel[grid](*args, **kwargs)`` makes Triton bind and specialize every argument, build a
+    cache key and look the compiled kernel up on every call: on a loaded host that is tens of
+    microseconds of Python per launch, the GPU time of a whole decode-sized GEMM. A launcher
+    keys the compiled kernel by the device, by a superset of what Triton specializes on in each
+    positional argument (:func:`_arg_spec`), and by the keyword arguments (constexprs and
+    launch options, which callers pass by keyword). The first call with a key goes through
+    Triton (compiling if needed) and keeps what Triton picked; later calls launch that compiled
+    kernel directly, with the same arguments Triton passes it. A launch choice, never numerics:
+    the kernel is the one Triton's own path would run.
+
+    ``RL_ENGINE_CHECK_LAUNCH=1`` asks Triton on every call which kernel its binding picks and
+    raises if the cache picked another (the GPU test script runs with it). Triton versions
+    without the internals used here take Triton's path on every call.
+    """
+
+    __slots__ = ("fn", "_names", "_kernels")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._names = tuple(fn.arg_names)
+        self._kernels: dict[tuple, tuple[Any, tuple[str, ...]] | None] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Launch; returns the compiled kernel when later launches with these specializations
+        may reuse it (``None``: Triton's path only)."""
+        if not _CACHED_LAUNCH:
+            self.fn[grid](*args, **kwargs)
+            return None
+        dev = torch.cuda.current_device()
+        key = (dev, *map(_arg_spec, args), *kwargs.items())
+        entry = self._kernels.get(key)
+        if entry is None:
+            kern = self.fn[grid](*args, **kwargs)  # Triton's path (compiles on first use)
+            tail = self._names[len(args) :]
+            # Parameters left to their defaults are not cached (their values are not in the key).
+            entry = self._kernels[key] = (kern, tail) if all(n in kwargs for n in tail) else None
+            return entry[0] if entry is not None else None
+        kern, tail = entry
+        if _rl_config.settings().check_launch:
+            picked = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
+            if picked is not kern:
+                raise RuntimeError(
+                    f"{self.fn.__name__}: the launch cache picked another compiled kernel than "
+                    "Triton's argument binding (the cache key misses a specialization)"
+                )
+        vals = args + tuple([kwargs[n] for n in tail])
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = _raw_stream(dev)
+        kern.run(
+            grid[0],
+            g1,
+            g2,
+            stream,
+            kern.function,
+            kern.packed_metadata,
+            kern.launch_metadata(grid, stream, *vals),
+            _knobs.runtime.launch_enter_hook,
+            _knobs.runtime.launch_exit_hook,
+            *vals,
+        )
+        return kern
+
+    def tail_names(self, n_args: int) -> tuple[str, ...]:
+        """The parameter names after the first ``n_args`` (passed by keyword)."""
+        return self._names[n_args:]
+
+
+class Prepared:
+    """One launch with everything but its leading arguments fixed.
+
+    ``step(*lead)`` launches ``kernel[grid](*lead, *rest, **kwargs)``. The first call goes
+    through the kernel's :class:`Launcher` (Triton's own path when the kernel is new); later calls
+    launch the compiled kernel it used directly, without even the launcher's key. Valid while the
+    leading arguments specialize as on the first call, so callers key prepared launches by what
+    decides that (dtypes, shapes, strides, 16-byte alignment: see ``det_gemm``'s plans). With
+    ``RL_ENGINE_CHECK_LAUNCH=1`` every call goes through the launcher (which asks Triton) and
+    raises unless the kernel is the one kept. Interpreted kernels (CPU) launch plainly.
+    """
+
+    __slots__ = ("kern", "grid", "rest", "kwargs", "_ck", "_tail")
+
+    def __init__(self, kern: Any, grid: tuple[int, ...], rest: tuple, kwargs: dict[str, Any]):
+        self.kern = kern  # a Launcher, or an interpreted function
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.rest = rest
+        self.kwargs = kwargs
+        self._ck: Any = None
+        self._tail: tuple = ()
+
+    def __call__(self, *lead: Any) -> None:
+        ck = self._ck
+        if ck is None or _rl_config.settings().check_launch:
+            if not isinstance(self.kern, Launcher):
+                self.kern[self.grid](*lead, *self.rest, **self.kwargs)
+                return
+            used = self.kern.launch(self.grid, lead + self.rest, self.kwargs)
+            if ck is not None and used is not ck:
+                raise RuntimeError(
+                    f"{self.kern.fn.__name__}: a prepared launch kept another compiled kernel "
+                    "than the launcher picks for these arguments (its key misses a "
+                    "specialization)"
+                )
+            if used is not None and ck is None:
+                names = self.kern.tail_names(len(lead) + len(self.rest))
+                self._tail = self.rest + tuple(self.kwargs[n] for n in names)
+                self._ck = used
+            return
+        vals = lead + self._tail
+        g0, g1, g2 = self.grid
+        stream = _raw_stream(torch.cuda.current_device())
+        ck.run(
+            g0,
+            g1,
+            g2,
+            stream,
+            ck.function,
+            ck.packed_metadata,
+            ck.launch_metadata(self.grid, stream, *vals),
+            _knobs.runtime.launch_enter_hook,
+            _knobs.runtime.launch_exit_hook,
+            *vals,
+        )
+
+
+def _raw_stream(dev: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
+_launchers: dict[int, Launcher] = {}
+
+
+def launcher(kern: Any, device: torch.device) -> Any:
+    """``kern`` launched through a cached :class:`Launcher` for CUDA tensors, or its interpreter
+    version for CPU tensors (see :func:`interpreted`)."""
+    if device.type == "cpu":
+        return interpreted(kern, device)
+    lau = _launchers.get(id(kern))
+    if lau is None or lau.fn is not kern:
+        lau = _launchers[id(kern)] = Launcher(kern)
+    return lau

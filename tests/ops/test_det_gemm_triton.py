@@ -244,6 +244,14 @@ def test_strided_layouts():
     for aa in (a, a_nc, a_t):
         for bb in (b, b.contiguous(), b.t().contiguous().t()):
             assert_bitwise(det_gemm(aa, bb, backend="triton"), ref, "layout")
+    # a strided bias (every other element of a buffer) and a misaligned a (data not 16-byte
+    # aligned: other kernel specializations and plans)
+    bias = torch.randn(96, dtype=dtype).to(DEVICE)
+    want = det_gemm(a, b, bias[::2].contiguous(), backend="triton")
+    assert_bitwise(det_gemm(a, b, bias[::2], backend="triton"), want, "strided bias")
+    a_off = torch.empty(64 * 80 + 1, dtype=dtype, device=DEVICE)[1:].view(64, 80)
+    a_off.copy_(a)
+    assert_bitwise(det_gemm(a_off, b, backend="triton"), ref, "misaligned a")
 
 
 @needs_triton
@@ -298,6 +306,36 @@ def test_backward_and_wgrad_plans(dtype):
     assert_close(
         dw, gr[:t_ag].double().t() @ a[:t_ag].double(), rtol=rtol, atol=atol * 4, what="dW"
     )
+
+
+@needs_triton
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_eager_path_equals_custom_ops(with_bias):
+    """Eager calls run the provider under a plain autograd function (or directly, without a
+    graph to record); compiled graphs run the custom ops. Forward and every gradient: equal
+    bits."""
+    g = torch.Generator().manual_seed(3)
+    a = _rand(37, 72, dtype=torch.float32, gen=g)
+    w = _rand(24, 72, dtype=torch.float32, gen=g)
+    bias = _rand(24, dtype=torch.float32, gen=g) if with_bias else None
+    gy = _rand(37, 24, dtype=torch.float32, gen=g)
+
+    def run(eager):
+        al, wl = a.clone().requires_grad_(), w.clone().requires_grad_()
+        bl = bias.clone().requires_grad_() if bias is not None else None
+        y = (
+            det_gemm(al, wl.t(), bl, backend="triton")
+            if eager
+            else torch.ops.rl_engine.det_gemm(al, wl.t(), bl, "triton")
+        )
+        leaves = [al, wl] + ([bl] if bl is not None else [])
+        return [y.detach(), *torch.autograd.grad(y, leaves, gy)]
+
+    want = run(False)
+    for got, exp in zip(run(True), want, strict=True):
+        assert_bitwise(got, exp, "eager path vs custom ops")
+    with torch.no_grad():  # no graph: the provider is called directly
+        assert_bitwise(det_gemm(a, w.t(), bias, backend="triton"), want[0], "no_grad")
 
 
 @needs_triton
@@ -397,6 +435,26 @@ def test_gpu_compile_and_cuda_graph():
         torch.compile(loss)(a).backward()
         grads.append(w.grad.clone())
     assert_bitwise(grads[0], grads[1], "compiled backward dW run-to-run")
+
+
+@gpu
+def test_gpu_errors_on_cuda_tensors():
+    """CUDA inputs take the short validity check; what it rejects still raises the full
+    checks' errors."""
+    a = torch.randn(3, 4, device="cuda")
+    cases = [
+        ((a, torch.randn(5, 6, device="cuda")), ValueError, "cannot be multiplied"),
+        ((a, torch.randn(4, 6, device="cuda").double()), TypeError, "dtype"),
+        ((a.double(), torch.randn(4, 6, device="cuda").double()), TypeError, "not supported"),
+        ((a, torch.randn(4, 6, device="cuda"), torch.randn(5, device="cuda")), ValueError, "bias"),
+        ((a, torch.randn(4, 6, device="cuda"), torch.randn(6)), ValueError, "device"),
+        ((a, torch.randn(4, 6)), ValueError, "device"),
+        ((a[None], torch.randn(4, 6, device="cuda")), ValueError, "dims"),
+        ((a, [[1.0] * 6] * 4), TypeError, "Tensor"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            gemm_triton.det_gemm(*args)
 
 
 @gpu

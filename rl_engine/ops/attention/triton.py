@@ -493,8 +493,8 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -717,7 +717,7 @@ def attention_bwd(
     delta = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     block_r = 32
     with _guard(q):
-        _kernel("_attention_bwd_delta_kernel", q.device)[(triton.cdiv(t * hq, block_r),)](
+        _kernel("_attention_bwd_delta_kernel", q.device)[(_tr.cdiv(t * hq, block_r),)](
             out,
             dout,
             delta,

@@ -61,6 +61,7 @@ from rl_engine.registry import Provider
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the environment
@@ -455,8 +456,8 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
@@ -466,6 +467,8 @@ def _check_device(*tensors: torch.Tensor) -> None:
 def _needs_int64(*tensors: torch.Tensor) -> bool:
     """Whether some element offset (span of a tensor in memory) can exceed int32."""
     for t in tensors:
+        if t.numel() < _INT32_MAX and t.is_contiguous():
+            continue  # the common case, without the per-dim sum
         span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
         if span >= _INT32_MAX:
             return True
@@ -496,104 +499,136 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch_tma(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    group_m: int,
-    num_warps: int,
-    num_stages: int,
-    k_chunk: int,
-    split: bool = False,
-) -> bool:
-    """``out = a @ b (+ bias)`` through the persistent TMA kernel (``a`` [M, K], ``b`` [K, N],
-    either stored contiguous along either dim); ``False`` when the layouts do not allow TMA.
+class _Plan:
+    """Every launch decision of one product, made once per (dtypes, shapes, strides, 16-byte
+    alignment, bias or not, config, device) and kept (``_PLANS``): which kernel and grid, the
+    constexprs, the TMA descriptor layouts, the workspace. ``run`` allocates the workspace, builds
+    the descriptors and launches the prepared kernels (``_tr.Prepared``) for the given tensors.
+    A launch choice only: the bits are the kernels'."""
+
+    __slots__ = ("a_t", "a_block", "b_t", "b_block", "ws_shape", "main", "combine")
+
+    def __init__(self, a_t, a_block, b_t, b_block, ws_shape, main, combine):
+        self.a_t = a_t  # None: pointer kernel; else the TMA descriptor is over a.t() (bool)
+        self.a_block = a_block
+        self.b_t = b_t
+        self.b_block = b_block
+        self.ws_shape = ws_shape  # fp32 partials of the split plans, or None
+        self.main = main
+        self.combine = combine
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+        ws = (
+            torch.empty(self.ws_shape, dtype=torch.float32, device=out.device)
+            if self.ws_shape is not None
+            else out
+        )
+        bo = bias if bias is not None else out
+        if self.a_t is None:
+            self.main(a, b, bo, out, ws)
+        else:
+            sa = a.t() if self.a_t else a
+            sb = b.t() if self.b_t else b
+            self.main(
+                _TensorDescriptor(sa, sa.shape, sa.stride(), self.a_block),
+                _TensorDescriptor(sb, sb.shape, sb.stride(), self.b_block),
+                bo,
+                out,
+                ws,
+            )
+        if self.combine is not None:
+            self.combine(ws, bo, out)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 8192  # shapes seen in one process; beyond, the cache starts over
+
+
+def _plan_key(a, b, bias, out, cfg, k_chunk, group_m) -> tuple:
+    """What decides a plan (everything ``_plan_for`` reads of the tensors)."""
+    return (
+        a.get_device(),
+        a.dtype,
+        out.dtype,
+        *a.shape,
+        b.shape[1],
+        *a.stride(),
+        *b.stride(),
+        *out.stride(),
+        a.data_ptr() % 16 == 0,
+        b.data_ptr() % 16 == 0,
+        None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0),
+        cfg,
+        k_chunk,
+        group_m,
+    )
+
+
+def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps, num_stages,
+              k_chunk, split) -> _Plan | None:  # fmt: skip
+    """The persistent TMA kernel's plan for ``out = a @ b (+ bias)`` (``a`` [M, K], ``b`` [K, N],
+    either stored contiguous along either dim); ``None`` when the layouts do not allow TMA.
     ``split`` (with more than one K chunk): one work item per (chunk, tile) writing fp32
     partials, then the ordered combine kernel."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if a.dtype == torch.float32:
-        return False
+        return None
     if _tma_ok(a):
-        a_mmajor, a_src, a_block = False, a, [block_m, block_k]
+        a_t, a_block = False, [block_m, block_k]
     elif _tma_ok(a.t()):
-        a_mmajor, a_src, a_block = True, a.t(), [block_k, block_m]
+        a_t, a_block = True, [block_k, block_m]
     else:
-        return False
+        return None
     if _tma_ok(b):
-        b_kmajor, b_src, b_block = False, b, [block_k, block_n]
+        b_t, b_block = False, [block_k, block_n]
     elif _tma_ok(b.t()):
-        b_kmajor, b_src, b_block = True, b.t(), [block_n, block_k]
+        b_t, b_block = True, [block_n, block_k]
     else:
-        return False
+        return None
     m, k = a.shape
     n = b.shape[1]
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    n_chunks = triton.cdiv(k, k_chunk)
+    tiles = _tr.cdiv(m, block_m) * _tr.cdiv(n, block_n)
+    n_chunks = _tr.cdiv(k, k_chunk)
     split = split and n_chunks > 1
-    ws = torch.empty((n_chunks, m, n), dtype=torch.float32, device=a.device) if split else out
     progs = max(1, min(_num_sms(a.device), tiles * (n_chunks if split else 1)))
-    _det_gemm_tma_kernel[(progs,)](
-        TensorDescriptor.from_tensor(a_src, a_block),
-        TensorDescriptor.from_tensor(b_src, b_block),
-        bias if bias is not None else out,
-        out,
-        ws,
-        m,
-        n,
-        k,
-        out.stride(0),
-        out.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=group_m,
-        KC_TILES=k_chunk // block_k,
-        MULTI_CHUNK=k > k_chunk,
-        SPLIT=split,
-        HAS_BIAS=bias is not None,
-        A_MMAJOR=a_mmajor,
-        B_KMAJOR=b_kmajor,
-        NUM_PROGS=progs,
-        num_warps=num_warps,
-        num_stages=num_stages,
+    main = _tr.Prepared(
+        _tr.launcher(_det_gemm_tma_kernel, a.device),
+        (progs,),
+        (m, n, k, out.stride(0), out.stride(1)),
+        dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            GROUP_M=group_m,
+            KC_TILES=k_chunk // block_k,
+            MULTI_CHUNK=k > k_chunk,
+            SPLIT=split,
+            HAS_BIAS=has_bias,
+            A_MMAJOR=a_t,
+            B_KMAJOR=b_t,
+            NUM_PROGS=progs,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        ),
     )
-    if split:
-        _combine(ws, bias, out, n_chunks)
-    return True
+    ws_shape = (n_chunks, m, n) if split else None
+    combine = _combine_step(out, has_bias, n_chunks) if split else None
+    return _Plan(a_t, a_block, b_t, b_block, ws_shape, main, combine)
 
 
-def _combine(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, n_chunks: int) -> None:
-    """``out = (((0 + ws[0]) + ws[1]) + ...) (+ bias)`` in ``out.dtype`` (the split plans)."""
+def _combine_step(out: torch.Tensor, has_bias: bool, n_chunks: int) -> _tr.Prepared:
+    """``out = (((0 + ws[0]) + ws[1]) + ...) (+ bias)`` in ``out.dtype`` (the split plans);
+    leading arguments ``(ws, bias or out, out)``."""
     m, n = out.shape
     block = 1024
-    _kernel("_det_gemm_combine_kernel", out.device)[(triton.cdiv(m * n, block),)](
-        ws,
-        bias if bias is not None else out,
-        out,
-        m * n,
-        n,
-        n_chunks,
-        out.stride(0),
-        out.stride(1),
-        HAS_BIAS=bias is not None,
-        BLOCK=block,
-        num_warps=4,
+    return _tr.Prepared(
+        _kernel("_det_gemm_combine_kernel", out.device),
+        (_tr.cdiv(m * n, block),),
+        (m * n, n, n_chunks, out.stride(0), out.stride(1)),
+        dict(HAS_BIAS=has_bias, BLOCK=block, num_warps=4),
     )
 
 
-def _launch_fwd(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    cfg: DetGemmConfig,
-    k_chunk: int,
-) -> None:
+def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
     m, k = a.shape
     n = b.shape[1]
     on_cpu = a.device.type == "cpu"
@@ -601,43 +636,32 @@ def _launch_fwd(
         cfg = cfg.for_interpreter()
     if k_chunk % cfg.block_k:
         raise ValueError(f"det_gemm[triton]: block_k={cfg.block_k} must divide k_chunk={k_chunk}")
-    n_chunks = triton.cdiv(k, k_chunk)
-    if cfg.tma:
-        with _guard(a):
-            if _launch_tma(
-                a,
-                b,
-                bias,
-                out,
-                cfg.block_m,
-                cfg.block_n,
-                cfg.block_k,
-                cfg.group_m,
-                cfg.num_warps,
-                cfg.num_stages,
-                k_chunk,
-                cfg.split_k,
-            ):
-                return
-    split = cfg.split_k and n_chunks > 1
-    ws = torch.empty((n_chunks, m, n), dtype=torch.float32, device=a.device) if split else out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), n_chunks if split else 1)
-    with _guard(a):
-        _kernel("_det_gemm_fwd_kernel", a.device)[grid](
+    n_chunks = _tr.cdiv(k, k_chunk)
+    if cfg.tma and not on_cpu:
+        plan = _tma_plan(
             a,
             b,
-            bias if bias is not None else out,
+            bias is not None,
             out,
-            ws,
-            m,
-            n,
-            k,
-            a.stride(0),
-            a.stride(1),
-            b.stride(0),
-            b.stride(1),
-            out.stride(0),
-            out.stride(1),
+            cfg.block_m,
+            cfg.block_n,
+            cfg.block_k,
+            cfg.group_m,
+            cfg.num_warps,
+            cfg.num_stages,
+            k_chunk,
+            cfg.split_k,
+        )
+        if plan is not None:
+            return plan
+    split = cfg.split_k and n_chunks > 1
+    grid = (_tr.cdiv(m, cfg.block_m) * _tr.cdiv(n, cfg.block_n), n_chunks if split else 1)
+    ws_shape = (n_chunks, m, n) if split else None
+    main = _tr.Prepared(
+        _kernel("_det_gemm_fwd_kernel", a.device),
+        grid,
+        (m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)),
+        dict(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -650,12 +674,62 @@ def _launch_fwd(
             EVEN_K=k % cfg.block_k == 0,
             UPCAST=on_cpu and a.dtype != torch.float32,
             IEEE=a.dtype == torch.float32 or on_cpu,
-            INT64=_needs_int64(a, b, out),
+            # the workspace spans no more than out does per chunk; out's span is in the list
+            INT64=_needs_int64(a, b, out) or (split and n_chunks * m * n >= _INT32_MAX),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+        ),
+    )
+    combine = _combine_step(out, bias is not None, n_chunks) if split else None
+    return _Plan(None, None, None, None, ws_shape, main, combine)
+
+
+def _run(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int, group_m: int | None = None) -> None:
+    """``out = a @ b (+ bias)`` through the plan of these arguments (made on first sight)."""
+    key = _plan_key(a, b, bias, out, cfg, k_chunk, group_m)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if group_m is not None:  # the weight gradient's TMA plan (no pointer fallback here)
+            plan = _tma_plan(
+                a, b, False, out, cfg.block_m, cfg.block_n, cfg.block_k, group_m,
+                cfg.num_warps, cfg.num_stages, k_chunk, False,
+            )  # fmt: skip
+            if plan is None:
+                raise ValueError("det_gemm[triton]: these layouts cannot use TMA")
+        else:
+            plan = _plan_for(a, b, bias, out, cfg, k_chunk)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    with _guard(a):
+        plan.run(a, b, bias, out)
+
+
+def _valid_cuda_args(a: Any, b: Any, bias: Any) -> bool:
+    """The checks of ``_check`` + ``_check_device`` for the common case (CUDA tensors), in a few
+    attribute reads: ``True`` when the arguments are valid CUDA inputs. ``False`` says nothing:
+    the caller runs the full checks, which raise with the reason (or pass, e.g. on the CPU)."""
+    try:
+        ok = (
+            a.is_cuda
+            and a.dim() == 2
+            and b.dim() == 2
+            and a.dtype in FLOAT_DTYPES
+            and b.dtype == a.dtype
+            and a.shape[1] == b.shape[0]
+            and b.get_device() == a.get_device()
         )
-        if split:
-            _combine(ws, bias, out, n_chunks)
+        if ok and bias is not None:
+            ok = (
+                bias.dim() == 1
+                and bias.dtype == a.dtype
+                and bias.shape[0] == b.shape[1]
+                and bias.get_device() == a.get_device()
+            )
+    except AttributeError:  # not tensors
+        return False
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return bool(ok) and tensors and (bias is None or isinstance(bias, torch.Tensor))
 
 
 def det_gemm_with_config(
@@ -671,10 +745,11 @@ def det_gemm_with_config(
     ``k_chunk`` other than ``K_CHUNK`` is another numerics (tests use a small one to exercise
     many chunks on small shapes).
     """
-    _check(a, b, bias)
-    _check_device(a)
-    if a.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"det_gemm[triton]: dtype {a.dtype} is not supported")
+    if not _valid_cuda_args(a, b, bias):  # the slow checks, for their error messages
+        _check(a, b, bias)
+        _check_device(a)
+        if a.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"det_gemm[triton]: dtype {a.dtype} is not supported")
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
@@ -682,8 +757,10 @@ def det_gemm_with_config(
         if bias is not None:
             acc = acc + bias.float()
         return acc.to(a.dtype)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()  # the kernels read bias[j] at offset j
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    _launch_fwd(a, b, bias, out, cfg or get_config(m, n, k, a.dtype), k_chunk)
+    _run(a, b, bias, out, cfg or get_config(m, n, k, a.dtype), k_chunk)
     return out
 
 
@@ -729,26 +806,18 @@ def det_gemm_wgrad_with_plan(
     cfg = cfg or get_wgrad_config(a.dtype)
     if on_cpu:
         cfg = cfg.for_interpreter()
-    tiles = triton.cdiv(ko, cfg.block_o) * triton.cdiv(n, cfg.block_n)
-    n_chunks = triton.cdiv(t, WGRAD_CHUNK) if t > 0 else 0
+    tiles = _tr.cdiv(ko, cfg.block_o) * _tr.cdiv(n, cfg.block_n)
+    n_chunks = _tr.cdiv(t, WGRAD_CHUNK) if t > 0 else 0
     if tma is None:
         tma = cfg.tma and tiles >= _WGRAD_SPLIT_BELOW_TILES
     if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
         out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
-        with _guard(a):
-            if _launch_tma(
-                a.t(),
-                grad,
-                None,
-                out,
-                cfg.block_o,
-                cfg.block_n,
-                cfg.block_t,
-                8,
-                cfg.num_warps,
-                cfg.num_stages,
-                WGRAD_CHUNK,
-            ):
+        if a.dtype != torch.float32 and (_tma_ok(grad) or _tma_ok(grad.t())):
+            if _tma_ok(a) or _tma_ok(a.t()):
+                gemm_cfg = DetGemmConfig(
+                    cfg.block_o, cfg.block_n, cfg.block_t, 8, cfg.num_warps, cfg.num_stages
+                )
+                _run(a.t(), grad, None, out, gemm_cfg, WGRAD_CHUNK, group_m=8)
                 return out
     out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
     if t == 0 or ko == 0 or n == 0:
@@ -798,7 +867,7 @@ def det_gemm_wgrad_with_plan(
         if split:
             numel = ko * n
             block = 1024
-            _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(triton.cdiv(numel, block),)](
+            _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(_tr.cdiv(numel, block),)](
                 dest, out, n_chunks, numel, BLOCK=block
             )
     return out

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.grpo_loss.reference import AGG_MODES, METRIC_NAMES, _check
 from rl_engine.ops.ratio_kl import triton as _rk
@@ -466,7 +467,7 @@ def _prepass(logp, old_logp, m8, nt) -> torch.Tensor:
         return pre
     with _rk._guard(logp):
         rows = _rk.rows_per_program(logp.device)
-        _kernel("_grpo_prepass_kernel", logp.device)[(triton.cdiv(b, rows), nt)](
+        _kernel("_grpo_prepass_kernel", logp.device)[(_tr.cdiv(b, rows), nt)](
             logp,
             old_logp,
             m8,
@@ -563,7 +564,7 @@ def grpo_loss(
     _rk._check_device(logp, "grpo_loss")
     b, t = logp.shape
     dev = logp.device
-    nt = triton.cdiv(t, BLOCK_T)
+    nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
     seq_ratio = ratio_type == "sequence"
     pre = _prepass(logp, old_logp, m8, nt) if seq_ratio else None
@@ -571,7 +572,7 @@ def grpo_loss(
     if b > 0 and nt > 0:
         with _rk._guard(logp):
             rows = _rk.rows_per_program(dev)
-            _kernel("_grpo_fwd_kernel", dev)[(triton.cdiv(b, rows), nt)](
+            _kernel("_grpo_fwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
                 logp,
                 old_logp,
                 advantages,
@@ -633,7 +634,7 @@ def grpo_loss_backward(
     d_logp = torch.zeros((b, t), dtype=logp.dtype, device=dev)
     if b == 0 or t == 0:
         return d_logp
-    nt = triton.cdiv(t, BLOCK_T)
+    nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
     seq_ratio = ratio_type == "sequence"
     per_seq_mean = loss_agg == "seq-mean-token-mean"
@@ -647,7 +648,7 @@ def grpo_loss_backward(
     g = grad.to(torch.float32).reshape(1)
     rows = _rk.rows_per_program(dev)
     with _rk._guard(logp):
-        _kernel("_grpo_bwd_kernel", dev)[(triton.cdiv(b, rows), nt)](
+        _kernel("_grpo_bwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
             g,
             denom,
             logp,

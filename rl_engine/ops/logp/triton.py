@@ -245,8 +245,8 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def check_device(t: torch.Tensor, op: str = "logp") -> None:
@@ -289,13 +289,13 @@ def vocab_forward(
         ent = out_ent if out_ent is not None else torch.empty(n, dtype=f32, device=dev)
     if n == 0:
         return lp, ent, lse
-    n_seg = triton.cdiv(vocab, SEGMENT)
+    n_seg = _tr.cdiv(vocab, SEGMENT)
     rows = _rows_per_program(logits)
     part = torch.empty((n, n_seg, 3), dtype=f32, device=dev)
     tok = tokens.long().contiguous() if tokens is not None else lse  # the kernel reads tok[row]
     temp = float(temperature)
     with _guard(logits):
-        _kernel("_vocab_partial_kernel", dev)[(triton.cdiv(n, rows), n_seg)](
+        _kernel("_vocab_partial_kernel", dev)[(_tr.cdiv(n, rows), n_seg)](
             logits,
             part,
             n,
@@ -311,7 +311,7 @@ def vocab_forward(
             SEG=SEGMENT,
             num_warps=_NUM_WARPS,
         )
-        _kernel("_vocab_combine_kernel", dev)[(triton.cdiv(n, _COMBINE_ROWS),)](
+        _kernel("_vocab_combine_kernel", dev)[(_tr.cdiv(n, _COMBINE_ROWS),)](
             part,
             logits,
             tok,
@@ -364,7 +364,7 @@ def vocab_backward(
     ge = grad_entropy.float().contiguous() if has_ge else lse
     ent = entropy if has_ge else lse
     with _guard(logits):
-        _kernel("_vocab_bwd_kernel", dev)[(triton.cdiv(n, rows), triton.cdiv(vocab, VOCAB_TILE))](
+        _kernel("_vocab_bwd_kernel", dev)[(_tr.cdiv(n, rows), _tr.cdiv(vocab, VOCAB_TILE))](
             logits,
             out,
             tok,

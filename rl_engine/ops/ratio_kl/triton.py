@@ -290,8 +290,9 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device, scope: dict[str, Any] | None = None) -> Any:
-    """The JIT kernel ``name`` of ``scope`` (default: this module), interpreted for CPU tensors."""
-    return _tr.interpreted((globals() if scope is None else scope)[name], device)
+    """The JIT kernel ``name`` of ``scope`` (default: this module): a cached launcher for CUDA
+    tensors, interpreted for CPU tensors."""
+    return _tr.launcher((globals() if scope is None else scope)[name], device)
 
 
 def _check_device(t: torch.Tensor, op: str = "ratio_kl") -> None:
@@ -325,7 +326,7 @@ def _partials(
 ) -> torch.Tensor:
     """Launch the tile kernel (token outputs when ``outs`` is given); returns the partials."""
     b, t = logp.shape
-    nt = triton.cdiv(t, BLOCK_T)
+    nt = _tr.cdiv(t, BLOCK_T)
     part = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
     if b == 0 or nt == 0:
         return part
@@ -334,7 +335,7 @@ def _partials(
     o = outs if outs is not None else (dummy,) * 7
     with _guard(logp):
         rows = rows_per_program(logp.device)
-        _kernel("_ratio_kl_tile_kernel", logp.device)[(triton.cdiv(b, rows), nt)](
+        _kernel("_ratio_kl_tile_kernel", logp.device)[(_tr.cdiv(b, rows), nt)](
             logp,
             old_logp,
             m,
@@ -417,10 +418,10 @@ def ratio_kl(
             (float(token_cap), float(token_mis_lo), float(token_mis_hi)),
         )
         with _guard(logp):
-            _kernel("_ratio_kl_seq_kernel", dev)[(triton.cdiv(b, _BLOCK_B),)](
+            _kernel("_ratio_kl_seq_kernel", dev)[(_tr.cdiv(b, _BLOCK_B),)](
                 part,
                 b,
-                triton.cdiv(t, BLOCK_T),
+                _tr.cdiv(t, BLOCK_T),
                 *seq,
                 seq_keep,
                 part,
@@ -480,11 +481,11 @@ def ratio_kl_backward(
     part = _partials(logp, old_logp, mask, clamp, None, (0.0, 0.0, 0.0))
     gseq = torch.empty((b,), dtype=torch.float32, device=dev)
     gsl, gsr = g_seq_log_ratio.float(), g_seq_ratio.float()
-    nt = triton.cdiv(t, BLOCK_T)
+    nt = _tr.cdiv(t, BLOCK_T)
     grads = [x.float() for x in (g_log_ratio, g_ratio, g_k1, g_k2, g_k3)]
     m, s_mb, s_mt = _mask_arg(mask, logp)
     with _guard(logp):
-        _kernel("_ratio_kl_seq_kernel", dev)[(triton.cdiv(b, _BLOCK_B),)](
+        _kernel("_ratio_kl_seq_kernel", dev)[(_tr.cdiv(b, _BLOCK_B),)](
             part,
             b,
             nt,
@@ -507,7 +508,7 @@ def ratio_kl_backward(
             num_warps=_NUM_WARPS,
         )
         rows = rows_per_program(dev)
-        _kernel("_ratio_kl_bwd_kernel", dev)[(triton.cdiv(b, rows), nt)](
+        _kernel("_ratio_kl_bwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
             *grads,
             gseq,
             logp,

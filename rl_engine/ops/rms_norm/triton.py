@@ -496,8 +496,8 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -545,7 +545,7 @@ def rms_norm(
     s = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else y
     if m > 0:
         with _guard(x):
-            _kernel("_rms_norm_fwd_kernel", x.device)[(triton.cdiv(m, cfg.rows),)](
+            _kernel("_rms_norm_fwd_kernel", x.device)[(_tr.cdiv(m, cfg.rows),)](
                 x2,
                 res2,
                 weight.contiguous(),
@@ -595,7 +595,7 @@ def _dx(
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device)
     if m > 0:
         with _guard(r):
-            _kernel("_rms_norm_bwd_dx_kernel", r.device)[(triton.cdiv(m, cfg.rows),)](
+            _kernel("_rms_norm_bwd_dx_kernel", r.device)[(_tr.cdiv(m, cfg.rows),)](
                 g2,
                 r2,
                 weight.contiguous(),
@@ -651,7 +651,7 @@ def _backward(
     alloc = torch.empty if m > 0 else torch.zeros
     out = alloc((h,), dtype=torch.float32, device=r.device)
     if m > 0:
-        n_parts = triton.cdiv(m, cfg.wgrad_chunk)
+        n_parts = _tr.cdiv(m, cfg.wgrad_chunk)
         parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
         with _guard(r):
             _kernel("_rms_norm_bwd_kernel", r.device)[(n_parts,)](
@@ -682,7 +682,7 @@ def _backward(
                 num_warps=cfg.num_warps,
             )
             block = min(cfg.combine_block, cfg.block_h)
-            _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(triton.cdiv(h, block),)](
+            _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(_tr.cdiv(h, block),)](
                 parts,
                 out,
                 n_parts,

@@ -182,8 +182,8 @@ _tables: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def _table(key: tuple[Any, ...], values: tuple[float, ...], device: torch.device) -> torch.Tensor:
@@ -218,7 +218,7 @@ def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -
     cfg = get_config(nh, hd, rotary_dim)
     span = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride()))
     with _guard(x):
-        _kernel("_rope_fwd_kernel", x.device)[(triton.cdiv(t, cfg.block_t),)](
+        _kernel("_rope_fwd_kernel", x.device)[(_tr.cdiv(t, cfg.block_t),)](
             x,
             positions,
             inv,

@@ -135,8 +135,8 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    """The JIT kernel ``name``, interpreted for CPU tensors."""
-    return _tr.interpreted(globals()[name], device)
+    """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
+    return _tr.launcher(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -157,7 +157,7 @@ def _int64(m: int, *strides: int) -> bool:
 
 
 def _grid(m: int, d: int, cfg: SiluAndMulConfig) -> tuple[int, int]:
-    return (triton.cdiv(m, cfg.rows), triton.cdiv(d, cfg.block_d))
+    return (_tr.cdiv(m, cfg.rows), _tr.cdiv(d, cfg.block_d))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The cached Triton launch path (``rl_engine.ops._triton.Launcher``).
+
+CPU: what the cache key distinguishes. GPU: a kernel launched through the cache with pointers of
+either alignment and integers Triton specializes on gives the results of Triton's own launch
+path, and the check mode (``RL_ENGINE_CHECK_LAUNCH=1``, on for the whole GPU test run) raises
+when a key is too coarse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine import config
+from rl_engine.ops import _triton as _tr
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_arg_spec_separates_what_triton_specializes_on():
+    spec = _tr._arg_spec
+    # integers: 1 (and -1 / 0) by value; otherwise divisibility by 16 and width
+    assert len({spec(v) for v in (1, 0, -1, 2, 16)}) == 5
+    assert spec(32) == spec(4096) and spec(3) == spec(4097)
+    assert spec(16) != spec(2**31 + 16) != spec(2**63 + 16)
+    assert spec(True) != spec(1) and spec(False) != spec(0)
+    assert spec(None) is None and spec(0.5) == spec(2.0)
+    # tensors: dtype and 16-byte alignment of the data pointer
+    x = torch.zeros(64)
+    assert spec(x) == spec(x[4:]) != spec(x[1:])
+    assert spec(x) != spec(x.double())
+
+
+def test_cpu_tensors_take_the_interpreter():
+    kern = _toy_kernel()
+    assert not isinstance(_tr.launcher(kern, torch.device("cpu")), _tr.Launcher)
+
+
+def _toy_kernel():
+    @triton.jit
+    def _scaled_copy(x_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs * stride, mask=mask)
+        tl.store(out_ptr + offs, v * scale, mask=mask)
+
+    return _scaled_copy
+
+
+@pytest.fixture
+def check_mode(monkeypatch):
+    monkeypatch.setenv("RL_ENGINE_CHECK_LAUNCH", "1")
+    config.reload()
+    yield
+    monkeypatch.undo()
+    config.reload()
+
+
+@gpu
+@pytest.mark.parametrize("check", [False, True])
+def test_gpu_cached_launch_matches_triton(check, monkeypatch):
+    if check:
+        monkeypatch.setenv("RL_ENGINE_CHECK_LAUNCH", "1")
+    else:
+        monkeypatch.delenv("RL_ENGINE_CHECK_LAUNCH", raising=False)
+    config.reload()
+    try:
+        kern = _toy_kernel()
+        lau = _tr.launcher(kern, torch.device("cuda"))
+        base = torch.randn(4096 + 64, device="cuda")
+        cases = [  # (offset, n, stride): aligned / misaligned pointers, n and stride 1 / 16 / odd
+            (0, 4096, 1),
+            (1, 4096, 1),
+            (0, 1, 1),
+            (0, 1000, 2),
+            (3, 999, 3),
+            (0, 256, 16),
+        ]
+        for _ in range(2):  # second round: every launch is a cache hit
+            for off, n, stride in cases:
+                x = base[off:]
+                out = torch.empty(n, device="cuda")
+                lau[(_tr.cdiv(n, 256),)](x, out, n, stride, 0.5, BLOCK=256, num_warps=4)
+                want = torch.empty(n, device="cuda")
+                kern[(_tr.cdiv(n, 256),)](x, want, n, stride, 0.5, BLOCK=256, num_warps=4)
+                assert torch.equal(out, want), (off, n, stride)
+                assert torch.equal(out, x[: n * stride : stride] * 0.5), (off, n, stride)
+        assert len(lau._kernels) == len(cases)  # each case differs in a specialization
+    finally:
+        monkeypatch.undo()
+        config.reload()
+
+
+@gpu
+def test_gpu_check_mode_catches_a_coarse_key(check_mode, monkeypatch):
+    """A key that misses the pointer alignment would launch the aligned kernel on a misaligned
+    pointer; the check mode raises instead."""
+    kern = _toy_kernel()
+    lau = _tr.Launcher(kern)
+    monkeypatch.setattr(_tr, "_arg_spec", lambda v: 0)  # a key that distinguishes nothing
+    base = torch.randn(1024 + 64, device="cuda")
+    out = torch.empty(1024, device="cuda")
+    lau[(4,)](base, out, 1024, 1, 1.0, BLOCK=256, num_warps=4)
+    with pytest.raises(RuntimeError, match="launch cache"):
+        lau[(4,)](base[1:], out, 1024, 1, 1.0, BLOCK=256, num_warps=4)
