@@ -1,6 +1,6 @@
 """Host (CPU) time per call of the Triton providers' launch paths, against stock torch calls.
 
-Usage: ``python benchmarks/bench_host.py [--out DIR] [--quick]``.
+Usage: ``python benchmarks/bench_host.py [--out DIR] [--quick] [--profile]``.
 
 Writes ``DIR/host.json``. A GPU kernel call costs the host time to validate arguments, pick a
 config and launch; when that is longer than the GPU time of the kernel (decode-sized GEMMs, norms
@@ -187,10 +187,38 @@ def breakdown(calls: int) -> list[dict]:
     return rows
 
 
+def profile(n: int = 2000) -> None:
+    """cProfile of the rms_norm backward through autograd (1 x 8192): the top functions."""
+    import cProfile
+    import pstats
+
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    y = public_rms_norm(x, w, 1e-6)
+    for _ in range(20):
+        torch.autograd.grad(y, (x, w), g, retain_graph=True)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        torch.autograd.grad(y, (x, w), g, retain_graph=True)
+        if i % 50 == 0:
+            torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument("--profile", action="store_true", help="cProfile, then exit"),
+    )
     if not torch.cuda.is_available():
         print("bench_host: no CUDA device; nothing to measure")
+        return
+    if args.profile:
+        profile()
         return
     rows = run(args)
     by = {r["call"]: r["host_us"] for r in rows}

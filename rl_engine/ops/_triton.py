@@ -235,7 +235,7 @@ class Prepared:
 
     def __call__(self, *lead: Any) -> None:
         ck = self._ck
-        if ck is None or _rl_config.settings().check_launch:
+        if ck is None or not _CACHED_LAUNCH or _rl_config.settings().check_launch:
             if not isinstance(self.kern, Launcher):
                 self.kern[self.grid](*lead, *self.rest, **self.kwargs)
                 return
@@ -266,6 +266,29 @@ class Prepared:
             _knobs.runtime.launch_exit_hook,
             *vals,
         )
+
+
+_PREPARED: dict[tuple, Prepared] = {}
+_MAX_PREPARED = 8192  # argument layouts seen in one process; beyond, the cache starts over
+
+
+def prepared(key: tuple, make: Any) -> Prepared:
+    """The :class:`Prepared` launch kept under ``key``, made by ``make()`` on first sight.
+
+    ``key`` must hold everything that decides the launch's grid, fixed arguments and
+    constexprs, and the specialization of its leading arguments (dtypes, 16-byte alignment).
+    """
+    step = _PREPARED.get(key)
+    if step is None:
+        if len(_PREPARED) >= _MAX_PREPARED:
+            _PREPARED.clear()
+        step = _PREPARED[key] = make()
+    return step
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """16-byte alignment of the data pointer (what Triton specializes pointers on)."""
+    return t.data_ptr() % 16 == 0
 
 
 def _raw_stream(dev: int) -> int:

@@ -544,30 +544,45 @@ def rms_norm(
     res2 = _rows(residual, h) if residual is not None else x2
     s = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else y
     if m > 0:
+        w = weight.contiguous()
+        key = (
+            "rms_norm_fwd",
+            x.get_device(),
+            x.dtype,
+            w.dtype,
+            m,
+            h,
+            x2.stride(0),
+            res2.stride(0),
+            residual is not None,
+            _tr.aligned(x2),
+            _tr.aligned(res2),
+            _tr.aligned(w),
+            float(eps),
+        )
+        step = _tr.prepared(
+            key,
+            lambda: _tr.Prepared(
+                _kernel("_rms_norm_fwd_kernel", x.device),
+                (_tr.cdiv(m, cfg.rows),),
+                (m, x2.stride(0), res2.stride(0), h, h, float(eps)),
+                dict(
+                    H=h,
+                    BLOCK_H=cfg.block_h,
+                    ROWS=cfg.rows,
+                    HAS_RESIDUAL=residual is not None,
+                    INT64=_int64(m + cfg.rows, x2.stride(0), res2.stride(0), h),
+                    num_warps=cfg.num_warps,
+                ),
+            ),
+        )
         with _guard(x):
-            _kernel("_rms_norm_fwd_kernel", x.device)[(_tr.cdiv(m, cfg.rows),)](
-                x2,
-                res2,
-                weight.contiguous(),
-                y,
-                s,
-                m,
-                x2.stride(0),
-                res2.stride(0),
-                y.stride(0),
-                s.stride(0),
-                float(eps),
-                H=h,
-                BLOCK_H=cfg.block_h,
-                ROWS=cfg.rows,
-                HAS_RESIDUAL=residual is not None,
-                INT64=_int64(m + cfg.rows, x2.stride(0), res2.stride(0), h),
-                num_warps=cfg.num_warps,
-            )
-    y = y.reshape(x.shape)
+            step(x2, res2, w, y, s)
+    if x.dim() != 2:
+        y = y.reshape(x.shape)
     if residual is None:
         return y
-    return y, s.reshape(x.shape)
+    return y, (s if x.dim() == 2 else s.reshape(x.shape))
 
 
 def rms_norm_dx(
@@ -639,7 +654,7 @@ def _backward(
         raise ValueError(f"rms_norm[triton] backward: weight shape {tuple(weight.shape)} != ({h},)")
     cfg = cfg if cfg is not None else get_bwd_config(h)
     r2 = _rows(r, h)
-    g2 = _rows(grad.to(r.dtype), h)
+    g2 = _rows(grad if grad.dtype == r.dtype else grad.to(r.dtype), h)
     m = r2.shape[0]
     store_dx = weight is not None
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device) if store_dx else None
@@ -653,49 +668,68 @@ def _backward(
     if m > 0:
         n_parts = _tr.cdiv(m, cfg.wgrad_chunk)
         parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
+        w = weight.contiguous() if store_dx else r2
+        key = (
+            "rms_norm_bwd",
+            r.get_device(),
+            r.dtype,
+            w.dtype,
+            m,
+            h,
+            g2.stride(0),
+            r2.stride(0),
+            gs2.stride(0),
+            store_dx,
+            fuse_gs,
+            _tr.aligned(g2),
+            _tr.aligned(r2),
+            _tr.aligned(w),
+            _tr.aligned(gs2),
+            float(eps),
+            cfg,
+        )
+        main, combine = _tr.prepared(key, lambda: _bwd_steps(r, m, h, g2, r2, gs2, store_dx,
+                                                             fuse_gs, float(eps), cfg, n_parts))  # fmt: skip
         with _guard(r):
-            _kernel("_rms_norm_bwd_kernel", r.device)[(n_parts,)](
-                g2,
-                r2,
-                weight.contiguous() if store_dx else r2,
-                gs2,
-                dx if store_dx else parts,
-                parts,
-                m,
-                g2.stride(0),
-                r2.stride(0),
-                gs2.stride(0),
-                dx.stride(0) if store_dx else 0,
-                float(eps),
-                H=h,
-                BLOCK_H=cfg.block_h,
-                ROWS=cfg.rows,
-                CHUNK=cfg.wgrad_chunk,
-                STORE_DX=store_dx,
-                HAS_GS=fuse_gs,
-                PREFETCH=cfg.prefetch,
-                STAGES=cfg.stages,
-                RELOAD_W=cfg.reload_weight,
-                INT64=_int64(
-                    m + cfg.wgrad_chunk + cfg.rows, g2.stride(0), r2.stride(0), gs2.stride(0), h
-                ),
-                num_warps=cfg.num_warps,
-            )
-            block = min(cfg.combine_block, cfg.block_h)
-            _kernel("_rms_norm_wgrad_combine_kernel", r.device)[(_tr.cdiv(h, block),)](
-                parts,
-                out,
-                n_parts,
-                H=h,
-                BLOCK=block,
-                UNROLL=cfg.combine_unroll,
-                num_warps=cfg.combine_warps,
-            )
+            main(g2, r2, w, gs2, dx if store_dx else parts, parts)
+            combine(parts, out)
     if dx is not None:
         dx = dx.reshape(r.shape)
         if grad_sum is not None and not fuse_gs:
             dx = dx + grad_sum.to(r.dtype)
     return dx, out
+
+
+def _bwd_steps(r, m, h, g2, r2, gs2, store_dx, fuse_gs, eps, cfg, n_parts):
+    """The two prepared launches of :func:`_backward` (the fused kernel, the ordered combine)."""
+    main = _tr.Prepared(
+        _kernel("_rms_norm_bwd_kernel", r.device),
+        (n_parts,),
+        (m, g2.stride(0), r2.stride(0), gs2.stride(0), h if store_dx else 0, eps),
+        dict(
+            H=h,
+            BLOCK_H=cfg.block_h,
+            ROWS=cfg.rows,
+            CHUNK=cfg.wgrad_chunk,
+            STORE_DX=store_dx,
+            HAS_GS=fuse_gs,
+            PREFETCH=cfg.prefetch,
+            STAGES=cfg.stages,
+            RELOAD_W=cfg.reload_weight,
+            INT64=_int64(
+                m + cfg.wgrad_chunk + cfg.rows, g2.stride(0), r2.stride(0), gs2.stride(0), h
+            ),
+            num_warps=cfg.num_warps,
+        ),
+    )
+    block = min(cfg.combine_block, cfg.block_h)
+    combine = _tr.Prepared(
+        _kernel("_rms_norm_wgrad_combine_kernel", r.device),
+        (_tr.cdiv(h, block),),
+        (n_parts,),
+        dict(H=h, BLOCK=block, UNROLL=cfg.combine_unroll, num_warps=cfg.combine_warps),
+    )
+    return main, combine
 
 
 def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
