@@ -51,6 +51,13 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
     2>&1 | tee "$OUT/pytest.log"
   status=${PIPESTATUS[0]}
   echo "pytest exit status: $status"
+  # a timed-out run can leave pytest-xdist workers (execnet processes) behind: they must not
+  # share the GPU and the CPU with the benchmarks
+  for sig in TERM KILL; do
+    pkill -"$sig" -f -- "-m pytest" 2>/dev/null
+    pkill -"$sig" -f -- "exec(eval(sys.stdin" 2>/dev/null
+    sleep 2
+  done
   # machine-readable result next to the log (counts from pytest's last line)
   $PY - "$OUT/pytest.log" "$status" "$OUT/tests.json" "$TESTS" <<'PYEOF'
 import json, re, sys

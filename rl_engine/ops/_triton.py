@@ -240,7 +240,7 @@ class Prepared:
                 self.kern[self.grid](*lead, *self.rest, **self.kwargs)
                 return
             used = self.kern.launch(self.grid, lead + self.rest, self.kwargs)
-            if ck is not None and used is not ck:
+            if ck is not None and used is not None and used is not ck:
                 raise RuntimeError(
                     f"{self.kern.fn.__name__}: a prepared launch kept another compiled kernel "
                     "than the launcher picks for these arguments (its key misses a "
