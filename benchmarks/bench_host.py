@@ -130,28 +130,12 @@ def breakdown(calls: int) -> list[dict]:
     cfg = gemm_triton.get_config(1, 4096, 4096, torch.bfloat16)
     kern = gemm_triton._det_gemm_fwd_kernel
     lau = _tr.launcher(kern, a.device)
-    args = (a, b, out, out, out, 1, 4096, 4096, *a.stride(), *b.stride(), *out.stride())
-    kw = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        KC_TILES=gemm_triton.K_CHUNK // cfg.block_k,
-        MULTI_CHUNK=False,
-        SPLIT=False,
-        FLAT=cfg.flat_k,
-        HAS_BIAS=False,
-        EVEN_K=True,
-        UPCAST=False,
-        IEEE=False,
-        INT64=False,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    grid = (_tr.cdiv(4096, cfg.block_n), 1)
+    main = gemm_triton._plan_for(a, b, None, out, cfg, gemm_triton.K_CHUNK).main  # the real launch
+    args = (a, b, out, out, out, *main.rest)
+    kw = main.kwargs
+    grid = main.grid
     lau[grid](*args, **kw)
-    entry = next(iter(lau._kernels.values()))
-    ck, tail = entry
+    ck, tail = lau._kernels[(a.get_device(), *map(_tr._arg_spec, args), *kw.items())]
     vals = args + tuple(kw[n] for n in tail)
     stream = torch._C._cuda_getCurrentRawStream(0)
     from triton import knobs
@@ -167,9 +151,7 @@ def breakdown(calls: int) -> list[dict]:
         "launch: cached launcher": lambda: lau[grid](*args, **kw),
         "launch: Triton's kernel[grid]": lambda: kern[grid](*args, **kw),
         "launch: CompiledKernel.run only": lambda: ck.run(
-            grid[0],
-            grid[1],
-            1,
+            *grid,
             stream,
             ck.function,
             ck.packed_metadata,
