@@ -43,13 +43,9 @@ __all__ = [
 # Forward K chunk (part of the numerics of the ``triton`` family; see module doc).
 K_CHUNK = 4096
 # Weight-gradient token chunk (part of the numerics of the ``triton`` family; see module doc).
-# The weight gradient is the forward's GEMM with K = tokens. 256 until version 3 (a 4-step loop
-# per chunk drained the wgmma pipeline every 256 tokens, ~half speed), 4096 in version 3, 16384
-# since version 4: a product of one chunk runs the persistent TMA kernel's single-accumulator,
-# flattened loop; two or more chunks hold a second fp32 tile in registers and drain the pipeline
-# at every chunk and tile (the fused LM head's weight-gradient products ran at 0.78-0.85x
-# cuBLAS with 4096: benchmarks/results/h200/linear_logp_bwd_sweep.json).
-WGRAD_CHUNK = 4 * K_CHUNK
+# The forward's chunk: the weight gradient is this GEMM with K = tokens. (256 until version 3:
+# a 4-step inner loop per chunk drained the wgmma pipeline every 256 tokens, ~half speed.)
+WGRAD_CHUNK = K_CHUNK
 
 # In the Triton interpreter ``tl.dot`` is one numpy matmul of the whole tile (partial sum of
 # BLOCK_K products, then added to the accumulator), so there BLOCK_K *would* change the order.

@@ -33,10 +33,6 @@ Version 3: ``WGRAD_CHUNK`` 256 -> 4096 (= ``K_CHUNK``): new weight-gradient bits
 256 tokens (forward bits unchanged). With 256-token chunks the chunk loop was 4 K steps long and
 the tensor-core pipeline drained at every chunk end.
 
-Version 4: ``WGRAD_CHUNK`` 4096 -> 16384: new weight-gradient bits for more than 4096 tokens
-(forward bits unchanged). Products of up to 16384 tokens are now one chunk: the persistent
-kernel's single-accumulator loop, about cuBLAS speed instead of 0.78-0.85x.
-
 Not promised: identity with the ``native`` family, across GPU models, or across Triton versions.
 On the CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``); there 16-bit tiles
 are widened to fp32 before the dot (the interpreter computes bf16 dots wrongly) and the K step
@@ -903,8 +899,8 @@ PROVIDER = Provider(
     invariant=True,
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
-    # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096; 4: -> 16384
-    version="4",
+    # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096
+    version="3",
     available=_available,
     extras={"wgrad": det_gemm_wgrad},
 )

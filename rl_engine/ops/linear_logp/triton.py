@@ -234,8 +234,7 @@ PROVIDER = Provider(
     invariant=True,
     numerics=NUMERICS,
     fn=linear_logp,
-    # 2: det_gemm version 4 (WGRAD_CHUNK 16384): new dweight (T > 4096) and dhidden bits
-    version="2",
+    version="1",
     available=_available,
     extras={"forward": linear_logp_forward, "backward": linear_logp_backward},
 )
