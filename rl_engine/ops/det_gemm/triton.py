@@ -41,6 +41,7 @@ is 16, so interpreter results are a test vehicle, not the GPU's bits.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -779,6 +780,12 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None)
     return det_gemm_with_config(a, b, bias, None)
 
 
+@functools.cache
+def _wgrad_gemm_config(cfg: WgradConfig) -> DetGemmConfig:
+    """The forward-kernel config of a weight-gradient TMA launch (made once per config)."""
+    return DetGemmConfig(cfg.block_o, cfg.block_n, cfg.block_t, 8, cfg.num_warps, cfg.num_stages)
+
+
 def det_gemm_wgrad_with_plan(
     a: torch.Tensor,
     grad: torch.Tensor,
@@ -811,13 +818,10 @@ def det_gemm_wgrad_with_plan(
     if tma is None:
         tma = cfg.tma and tiles >= _WGRAD_SPLIT_BELOW_TILES
     if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
-        out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
         if a.dtype != torch.float32 and (_tma_ok(grad) or _tma_ok(grad.t())):
             if _tma_ok(a) or _tma_ok(a.t()):
-                gemm_cfg = DetGemmConfig(
-                    cfg.block_o, cfg.block_n, cfg.block_t, 8, cfg.num_warps, cfg.num_stages
-                )
-                _run(a.t(), grad, None, out, gemm_cfg, WGRAD_CHUNK, group_m=8)
+                out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
+                _run(a.t(), grad, None, out, _wgrad_gemm_config(cfg), WGRAD_CHUNK, group_m=8)
                 return out
     out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
     if t == 0 or ko == 0 or n == 0:
