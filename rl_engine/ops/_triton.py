@@ -90,16 +90,15 @@ def device_guard(t: torch.Tensor) -> Any:
 
 def interpreted(kern: Any, device: torch.device) -> Any:
     """``kern`` itself for CUDA tensors; for CPU tensors its interpreter version, whatever
-    ``TRITON_INTERPRET`` was when the kernel's module was imported."""
+    ``TRITON_INTERPRET`` was when the kernel's module was imported, computing ``tl.dot`` in a
+    fixed order that does not depend on the host's BLAS (:mod:`rl_engine.ops._interpret`)."""
     if device.type != "cpu":
         return kern
-    from triton.runtime.interpreter import InterpretedFunction
+    from rl_engine.ops._interpret import fixed_order_kernel
 
-    if isinstance(kern, InterpretedFunction):
-        return kern
     key = f"{kern.fn.__module__}.{kern.fn.__qualname__}"
     if key not in _interpreted:
-        _interpreted[key] = InterpretedFunction(kern.fn)
+        _interpreted[key] = fixed_order_kernel(kern.fn)
     return _interpreted[key]
 
 

@@ -1,0 +1,137 @@
+"""The Triton interpreter's ``tl.dot`` with a reduction order fixed by the operands alone.
+
+Why: Triton's interpreter (``TRITON_INTERPRET=1``, the CPU test vehicle of every Triton provider)
+computes ``tl.dot`` with ``numpy.matmul``, that is with the host's BLAS. BLAS libraries pick their
+kernels by shape and by CPU (OpenBLAS ``DYNAMIC_ARCH`` on an AMD EPYC: ``(a @ b)[:m]`` differs from
+``a[:m] @ b`` for most small fp32 shapes), so an interpreted kernel whose tiles differ between two
+launches (a config picked by row count, a masked tail) reported row-variant results on some hosts
+and row-invariant ones on others. A verdict that depends on the host proves nothing.
+
+rl_engine's kernels therefore run in the interpreter with this dot, for ``acc = tl.dot(a, b, acc)``
+with ``a`` [..., M, K], ``b`` [..., K, N]::
+
+    for each step s of 16 along K (the last one zero-padded), in order:
+        acc = acc + round_to_acc_dtype(tree16_f64(a[..., :, s] * b[..., s, :]))
+
+Products of two operands of at most 24 significant bits (fp32 / fp16 / bf16) are exact in
+float64; the 16 products of a step are summed pairwise in float64 in a fixed tree, rounded once to
+the accumulator's dtype and added to the accumulator. Every step is an elementwise IEEE operation
+(numpy computes ``+`` and ``*`` exactly rounded in SIMD and scalar code alike), so element
+``(i, j)`` is a function of row ``i`` of ``a``, column ``j`` of ``b`` and ``acc[i, j]`` alone: the
+interpreted kernel is row and column invariant exactly when its own reduction order is, on any CPU.
+The model follows the GPU's MMA, which also adds one K step of 16 (bf16 / fp16) into the fp32
+accumulator at a time; interpreter bits are still not the GPU's bits (the MMA's inner order and
+rounding are its own). bf16 operands, which the interpreter stores as raw ``uint16`` and numpy
+multiplies as integers, are decoded to their values here; fp8 operands are refused.
+
+The dot is swapped in only while a kernel launched by rl_engine runs (:class:`FixedOrderKernel`),
+so kernels of other libraries in the same process keep the interpreter's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+
+K_STEP = 16  # elements of K summed per accumulator update (part of the interpreter's numerics)
+
+_lock = threading.RLock()
+
+
+def _values(data: np.ndarray, tl_dtype: Any) -> np.ndarray:
+    """The float64 values of an interpreter operand (bf16 is stored as raw uint16 bits)."""
+    name = getattr(tl_dtype, "name", str(tl_dtype))
+    if name == "bf16":
+        return (data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if name.startswith("fp8"):
+        raise NotImplementedError(
+            f"rl_engine's fixed-order interpreter dot does not model {name} operands"
+        )
+    if not np.issubdtype(data.dtype, np.floating):
+        raise TypeError(f"fixed_order_dot: unexpected operand dtype {data.dtype} ({name})")
+    return data.astype(np.float64)
+
+
+def fixed_order_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """``acc + a @ b`` in the fixed order of the module docstring; a, b float64 values.
+
+    a [..., M, K], b [..., K, N], acc [..., M, N] (its dtype is the result's).
+    """
+    k = a.shape[-1]
+    if b.shape[-2] != k:
+        raise ValueError(f"fixed_order_dot: shapes {a.shape} and {b.shape} do not multiply")
+    pad = (-k) % K_STEP
+    if pad:
+        a = np.concatenate([a, np.zeros((*a.shape[:-1], pad), np.float64)], axis=-1)
+        b = np.concatenate([b, np.zeros((*b.shape[:-2], pad, b.shape[-1]), np.float64)], axis=-2)
+    out = np.array(acc, copy=True)
+    for k0 in range(0, k + pad, K_STEP):
+        prod = a[..., :, k0 : k0 + K_STEP, None] * b[..., None, k0 : k0 + K_STEP, :]
+        width = K_STEP
+        while width > 1:  # fixed pairwise tree over the step: element i + element i + width/2
+            width //= 2
+            prod = prod[..., :width, :] + prod[..., width : 2 * width, :]
+        out = out + prod[..., 0, :].astype(out.dtype)
+    return out
+
+
+def _create_dot(a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+    """Drop-in for ``InterpreterBuilder.create_dot`` (same arguments, TensorHandle result)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    acc = d.data
+    if not np.issubdtype(acc.dtype, np.floating):  # integer dots: modular sums are order-free
+        return TensorHandle(np.matmul(a.data, b.data, dtype=acc.dtype) + acc, d.dtype.scalar)
+    out = fixed_order_dot(_values(a.data, a.dtype), _values(b.data, b.dtype), acc)
+    return TensorHandle(out.astype(acc.dtype, copy=False), d.dtype.scalar)
+
+
+class _DotSwap:
+    """Context: the interpreter's builder computes ``tl.dot`` with :func:`_create_dot`."""
+
+    _depth = 0
+
+    def __enter__(self) -> None:
+        from triton.runtime.interpreter import interpreter_builder
+
+        _lock.acquire()
+        if _DotSwap._depth == 0:
+            interpreter_builder.create_dot = _create_dot  # instance attribute shadows the method
+        _DotSwap._depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        from triton.runtime.interpreter import interpreter_builder
+
+        _DotSwap._depth -= 1
+        if _DotSwap._depth == 0:
+            del interpreter_builder.create_dot
+        _lock.release()
+
+
+@functools.cache
+def _kernel_class() -> type:
+    from triton.runtime.interpreter import InterpretedFunction, interpreter_builder
+
+    if not callable(getattr(interpreter_builder, "create_dot", None)):
+        raise RuntimeError(
+            "this Triton's interpreter has no InterpreterBuilder.create_dot: rl_engine cannot "
+            "give it a fixed-order dot, so interpreted results would depend on the host's BLAS"
+        )
+
+    class FixedOrderKernel(InterpretedFunction):
+        """An interpreted kernel whose launches compute ``tl.dot`` with the fixed-order dot."""
+
+        def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            with _DotSwap():
+                return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    return FixedOrderKernel
+
+
+def fixed_order_kernel(fn: Any) -> Any:
+    """The interpreter kernel of the Python function ``fn`` (a ``@triton.jit`` kernel's ``.fn``)
+    whose launches compute ``tl.dot`` with :func:`fixed_order_dot`."""
+    return _kernel_class()(fn)
