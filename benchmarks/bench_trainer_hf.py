@@ -1,0 +1,235 @@
+"""Trainer step time against the stacks RL users run: HF + SDPA flash, and HF + SDPA + Liger.
+
+Usage (GPU machine; Liger-Kernel and megatron-core on PYTHONPATH, see PLATFORMS.md):
+``python benchmarks/bench_trainer_hf.py [--out DIR] [--quick] [--layers N] [--seq S] [--batch B]``.
+
+Model (~1B, Qwen2-shaped, the shape of ``bench_trainer.py``): 16 layers, hidden 2048, 16 query /
+8 KV heads (head dim 128), FFN 5632 (SwiGLU), vocab 151936, untied LM head, QKV bias, bf16,
+batch 2 x 4096 tokens. One step = forward + backward of the summed token log-probs at T = 1, on
+the same weights and tokens for every row:
+
+* ``hf_sdpa``: transformers with ``attn_implementation="sdpa"`` (flash), logits -> fp32
+  ``log_softmax`` -> gather;
+* ``hf_liger``: the same + Liger's RMSNorm / SwiGLU / RoPE kernels, and the LM head through Liger's
+  fused linear cross-entropy (``-sum CE`` = summed log-probs; no [tokens, vocab] logits);
+* ``rl_engine_hf``: ``rl_engine.adapters.hf.patch_model`` + ``token_logprobs``;
+* ``rl_engine_megatron`` / ``megatron_local``: ``bench_trainer.py``'s two Megatron GPT rows (the
+  rl_engine spec and Megatron's local spec; same shape, no QKV bias, their own random weights),
+  when megatron-core is importable.
+
+Peak memory is reported above what stays resident between steps (weights and their gradients,
+allocated by the warm-up steps). Also records, per row, whether a sequence's log-probs alone equal the same
+sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from bench_trainer import MODEL  # noqa: E402
+
+
+def build_hf(layers: int):
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=MODEL["vocab"],
+        hidden_size=MODEL["hidden"],
+        intermediate_size=MODEL["ffn"],
+        num_hidden_layers=layers,
+        num_attention_heads=MODEL["heads"],
+        num_key_value_heads=MODEL["kv_heads"],
+        max_position_embeddings=MODEL["seq"],
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": MODEL["theta"]},
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    return model
+
+
+def hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids, use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return lp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def liger_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Summed log-probs through Liger's fused linear CE: per-token ``-CE`` (reduction none)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    hidden = model.model(ids, use_cache=False).last_hidden_state[:, :-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    ce = liger_fused_linear_cross_entropy(
+        h, model.lm_head.weight, ids[:, 1:].reshape(-1), reduction="none"
+    )
+    return (-ce).view(ids.shape[0], -1)
+
+
+def rl_hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    from rl_engine.adapters.hf import token_logprobs
+
+    return token_logprobs(model, ids, 1.0)
+
+
+def _row(name: str, model, fn, ids: torch.Tensor, quick: bool) -> dict:
+    model.train()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        lp = fn(model, ids)
+        lp.sum().neg().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t_us = common.bench(step, quick=quick)
+    peak = torch.cuda.max_memory_allocated()
+    with torch.no_grad():
+        short = ids[:1, :512]
+        both = torch.cat([short, ids[1:2, :512].flip(1)])
+        alone = fn(model, short)
+        inside = fn(model, both)[:1]
+    row = {
+        "step_ms": t_us / 1e3,
+        "tokens_per_s": ids.numel() / (t_us * 1e-6),
+        "weights_gib": weights / 2**30,
+        "peak_above_resident_gib": (peak - base) / 2**30,
+        "alone_vs_batched_bitwise": bool(torch.equal(alone, inside)),
+        "alone_vs_batched_max_abs_diff": float((alone - inside).abs().max()),
+    }
+    print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return row
+
+
+def main() -> None:
+    args = common.parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--layers", type=int, default=MODEL["layers"]),
+            p.add_argument("--seq", type=int, default=MODEL["seq"]),
+            p.add_argument("--batch", type=int, default=2),
+            p.add_argument("--no-megatron", action="store_true"),
+        ),
+    )
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_trainer_hf.py needs a CUDA device")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, MODEL["vocab"], (args.batch, args.seq), generator=g).cuda()
+    results: dict[str, dict] = {}
+    unavailable: dict[str, str] = {}
+    state = None
+
+    def fresh_hf():
+        nonlocal state
+        model = build_hf(args.layers)
+        if state is None:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(state)
+        return model
+
+    # stock HF first (no patching in the process yet)
+    model = fresh_hf()
+    results["hf_sdpa"] = _row("hf_sdpa", model, hf_logprobs, ids, args.quick)
+    del model
+    torch.cuda.empty_cache()
+    # rl_engine's HF path (per-instance patches: the next model is unaffected)
+    from rl_engine.adapters.hf import patch_model
+
+    model = fresh_hf()
+    patch_model(model)
+    results["rl_engine_hf"] = _row("rl_engine_hf", model, rl_hf_logprobs, ids, args.quick)
+    del model
+    torch.cuda.empty_cache()
+    # Liger last: its patches replace transformers' classes / functions process-wide
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        model = fresh_hf()
+        apply_liger_kernel_to_qwen2(
+            rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, model=model
+        )
+        results["hf_liger"] = _row("hf_liger", model, liger_logprobs, ids, args.quick)
+        del model
+        torch.cuda.empty_cache()
+    except ImportError as exc:
+        unavailable["hf_liger"] = f"{type(exc).__name__}: {exc}"
+        print("hf_liger: not measured:", unavailable["hf_liger"])
+    if not args.no_megatron and args.batch * args.seq <= 16384:
+        try:
+            import bench_trainer as bt
+
+            bt._setup_megatron()
+            for kind, fn, name in (
+                ("rl", bt.rl_logprobs, "rl_engine_megatron"),
+                ("stock", bt.stock_logprobs, "megatron_local"),
+            ):
+                model = None
+                try:  # the local spec materialises the scores: may not fit at 8k tokens
+                    model = bt.build(kind, args.layers)
+                    results[name] = _row(name, model, fn, ids, args.quick)
+                except torch.cuda.OutOfMemoryError as exc:
+                    unavailable[name] = f"out of memory: {str(exc).splitlines()[0]}"
+                    print(name, "not measured:", unavailable[name])
+                del model
+                torch.cuda.empty_cache()
+        except ImportError as exc:
+            unavailable["megatron"] = f"{type(exc).__name__}: {exc}"
+            print("megatron rows: not measured:", unavailable["megatron"])
+    baselines = {k: v for k, v in results.items() if k in ("hf_sdpa", "hf_liger")}
+    fastest = min(baselines, key=lambda k: baselines[k]["step_ms"])
+    payload = {
+        "model": {**MODEL, "layers": args.layers, "seq": args.seq, "batch": args.batch},
+        "temperature": 1.0,
+        "fastest_baseline": fastest,
+        "results": results,
+        "unavailable": unavailable,
+        "ratio_vs_fastest_baseline": {
+            k: v["step_ms"] / baselines[fastest]["step_ms"] for k, v in results.items()
+        },
+        "peak_ratio_vs_fastest_baseline": {
+            k: v["peak_above_resident_gib"] / baselines[fastest]["peak_above_resident_gib"]
+            for k, v in results.items()
+        },
+        "target": "rl_engine <= 1.10x the fastest baseline's step time at <= its peak memory",
+    }
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        payload["liger_kernel"] = version("liger-kernel")
+    except Exception:  # noqa: BLE001 - version is informational
+        pass
+    common.write_json(args.out, "trainer_hf", payload)
+    common.print_table(
+        [
+            {
+                "path": k,
+                "ms/step": round(v["step_ms"], 1),
+                "x fastest": round(payload["ratio_vs_fastest_baseline"][k], 3),
+                "peak GiB": round(v["peak_above_resident_gib"], 2),
+                "bitwise alone/batch": v["alone_vs_batched_bitwise"],
+            }
+            for k, v in results.items()
+        ],
+        ["path", "ms/step", "x fastest", "peak GiB", "bitwise alone/batch"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU steps that need the real CUDA vLLM (0.24.0), on an H100 / H200 device machine.
+#
+# vLLM travels in three back-to-back device calls (PLATFORMS.md, "GPU vLLM on the device"):
+#   1. carry .vllm_gpu/0:  mkdir -p /tmp/vllm_parts && cp .vllm_gpu/0/part.0 /tmp/vllm_parts/
+#   2. carry .vllm_gpu/1:  cp .vllm_gpu/1/part.1 /tmp/vllm_parts/
+#   3. carry .vllm_gpu/2 .whl:  STEPS="e2e" bash scripts/gpu_vllm.sh
+# Later calls of the same warm lease reuse /tmp/vllm_site (no carry of .vllm_gpu needed).
+#
+# STEPS (space separated, in order): e2e (scripts/gpu_vllm_e2e.py), e2e-quick, rollout
+# (benchmarks/bench_rollout.py), trainer (benchmarks/bench_trainer_hf.py), audit (rl-engine audit
+# on the GPU); STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
+# Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+
+if [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
+  [ -x .vllm_gpu/2/install.sh ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 carried"; exit 3; }
+  bash .vllm_gpu/2/install.sh || exit 3
+  # the project's dist-info (its vllm.general_plugins entry point) next to vLLM
+  $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/vllm_site . \
+    || { echo "installing the project's entry point failed"; exit 3; }
+  touch /tmp/vllm_site/.rl_engine_ok
+fi
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.rl_engine_ok ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.rl_engine_ok
+fi
+# the checkout first (its code, not the copy pip put next to the entry point)
+export PYTHONPATH="$ROOT:/tmp/vllm_site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+$PY - <<'PYEOF'
+import torch, triton, vllm
+print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__)
+print("device", torch.cuda.get_device_name())
+PYEOF
+GPU=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.gpu_slug())")
+RES="$ROOT/benchmarks/results/$GPU"
+mkdir -p "$RES"
+
+status=0
+for step in ${STEPS:-e2e}; do
+  var="STEP_ARGS_${step//-/_}"
+  extra=${!var:-}
+  echo "== $step $extra ($(date -u +%H:%M:%SZ))"
+  case $step in
+    e2e) cmd=($PY scripts/gpu_vllm_e2e.py --out "$OUT") ;;
+    e2e-quick) cmd=($PY scripts/gpu_vllm_e2e.py --quick --out "$OUT") ;;
+    rollout) cmd=($PY benchmarks/bench_rollout.py --out "$RES") ;;
+    trainer) cmd=($PY benchmarks/bench_trainer_hf.py --out "$RES") ;;
+    audit) cmd=($PY -m rl_engine.cli audit --device cuda --gate --out "$OUT/audit") ;;
+    *) echo "unknown step $step"; status=2; continue ;;
+  esac
+  # shellcheck disable=SC2086
+  timeout "${STEP_TIMEOUT:-560}" "${cmd[@]}" $extra 2>&1 | tee "$OUT/$step.log"
+  rc=${PIPESTATUS[0]}
+  echo "$step exit status: $rc" | tee -a "$OUT/steps.txt"
+  [ "$rc" = 0 ] || status=1
+done
+tar -czf "$OUT/results.tgz" -C "$ROOT/benchmarks/results" "$GPU" 2>/dev/null
+cat "$OUT/steps.txt"
+exit $status
