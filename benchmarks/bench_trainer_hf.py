@@ -209,8 +209,9 @@ def main() -> None:
         "target": "rl_engine <= 1.10x the fastest baseline's step time at <= its peak memory",
     }
     try:
-        import liger_kernel  # noqa: F401
         from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
 
         payload["liger_kernel"] = version("liger-kernel")
     except Exception:  # noqa: BLE001 - version is informational
