@@ -117,7 +117,7 @@ def stock_logprobs(model, ids: torch.Tensor, temperature: float = 1.0) -> torch.
 def rl_logprobs(model, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     from rl_engine.adapters.megatron import token_logprobs
 
-    return token_logprobs(model, ids, temperature)
+    return token_logprobs(model, ids, temperature, vocab_size=MODEL["vocab"])
 
 
 def main() -> None:

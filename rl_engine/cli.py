@@ -1,4 +1,5 @@
-"""``rl-engine`` command line: ``check`` (registry + invariance self-test) and ``audit``."""
+"""``rl-engine`` command line: ``check`` (registry + invariance self-test), ``audit`` and
+``grpo``."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         add_audit = None
     if add_audit is not None:
         add_audit(sub)
+    from rl_engine.rl.cli import add_parser as add_grpo
+
+    add_grpo(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

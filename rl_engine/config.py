@@ -9,7 +9,12 @@ Variables:
     RL_ENGINE_BACKEND: pin every op to one provider name (e.g. ``native`` or ``triton``).
     RL_ENGINE_BACKEND_<OP>: pin one op (e.g. ``RL_ENGINE_BACKEND_DET_GEMM=triton``); wins over
         ``RL_ENGINE_BACKEND``.
-    RL_ENGINE_VLLM: ``1`` switches the vLLM plugin on inside vLLM's processes.
+    RL_ENGINE_VLLM: ``1`` switches the vLLM plugin on inside vLLM's processes. vLLM's Ray
+        executor does not forward ``RL_ENGINE_*`` variables to its workers: set it in the Ray
+        runtime env (``runtime_env={"env_vars": {"RL_ENGINE_VLLM": "1"}}``) and check with
+        ``rl_engine.adapters.vllm.require_routing(llm)``.
+    RL_ENGINE_VLLM_ALLOW_UNTESTED: ``1`` lets the vLLM plugin run on a vLLM version it was not
+        tested with (refused otherwise).
     RL_ENGINE_PROVENANCE_DIR: folder where adapters write the registry report of their process.
     RL_ENGINE_CHECK_LAUNCH: ``1`` makes every cached Triton launch also ask Triton which compiled
         kernel its own argument binding picks and raise if the cache picked another (tests).
@@ -18,6 +23,7 @@ Variables:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -34,6 +40,7 @@ class Settings:
     backend: str | None = None
     op_backends: dict[str, str] = field(default_factory=dict)
     vllm_plugin: bool = False
+    vllm_allow_untested: bool = False
     provenance_dir: str | None = None
     triton_interpret: bool = False
     check_launch: bool = False
@@ -57,6 +64,8 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         backend=backend,
         op_backends=op_backends,
         vllm_plugin=environ.get(_PREFIX + "VLLM", "0").strip().lower() in _TRUE,
+        vllm_allow_untested=environ.get(_PREFIX + "VLLM_ALLOW_UNTESTED", "0").strip().lower()
+        in _TRUE,
         provenance_dir=environ.get(_PREFIX + "PROVENANCE_DIR") or None,
         triton_interpret=environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE,
         check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
@@ -87,12 +96,4 @@ def set_mode(mode: str) -> None:
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r}: expected one of {_MODES}")
     current = settings()
-    _settings = Settings(
-        mode=mode,
-        backend=current.backend,
-        op_backends=dict(current.op_backends),
-        vllm_plugin=current.vllm_plugin,
-        provenance_dir=current.provenance_dir,
-        triton_interpret=current.triton_interpret,
-        check_launch=current.check_launch,
-    )
+    _settings = dataclasses.replace(current, mode=mode, op_backends=dict(current.op_backends))

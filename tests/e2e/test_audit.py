@@ -109,3 +109,70 @@ def test_audit_empty_prompt_file_and_unsupported_arch(tmp_path):
     proc = _audit(tmp_path, "--model", str(model))
     assert proc.returncode == 2 and "unsupported architecture" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _cli(argv: list[str]) -> int:
+    from rl_engine.audit import cli
+
+    return cli.main(argv)
+
+
+@pytest.mark.parametrize(
+    "config_text, message",
+    [
+        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 5', "is not valid JSON"),
+        ('{"architectures": ["LlamaForCausalLM"]}', "has no vocab_size"),
+        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": "512"}', "vocab_size must be"),
+        ('["LlamaForCausalLM"]', "not an object"),
+    ],
+    ids=["malformed", "no-vocab", "vocab-str", "not-object"],
+)
+def test_audit_bad_model_config(tmp_path, capsys, config_text, message):
+    """A malformed config.json or a missing vocab_size is an input error: exit 2 with one line,
+    no traceback (not the gate's exit code 1)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config_text)
+    rc = _cli(["--model", str(model), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and message in err[0] and err[0].startswith("rl-engine audit: error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_audit_worker_failure_shows_traceback_and_keeps_log(tmp_path, monkeypatch, capfd):
+    """A failing worker: exit 3, the message carries the worker's traceback (even with progress
+    bars on, when the worker's stderr goes to the terminal rather than its log), and the log
+    outlives the temporary work folder at the printed path."""
+    from rl_engine.audit import cli
+
+    def failing_audit(args, workdir):
+        cfg = {
+            "role": "trainer",
+            "trainer": "no-such-trainer",
+            "engine": "stock",
+            "model": str(tmp_path),
+            "dtype": "float32",
+            "temperature": 1.0,
+            "sequences": [{"prompt": [1, 2], "tokens": [3], "logprobs": [0.0]}],
+            "progress": True,
+        }
+        return cli._run_worker(cfg, workdir, {}, "stock-bs1-trainer")
+
+    monkeypatch.setattr(cli, "_audit", failing_audit)
+    rc = cli.main(["--out", str(tmp_path / "out")])
+    err = capfd.readouterr().err
+    assert rc == 3, err
+    ours = err[err.index("rl-engine audit: a worker failed") :]
+    assert "worker traceback:" in ours and "Traceback (most recent call last)" in ours
+    assert "ValueError: unknown trainer 'no-such-trainer'" in ours
+    log = tmp_path / "out" / "worker-logs" / "stock-bs1-trainer.log"
+    assert log.is_file() and f"log is kept at {log}" in ours
+    assert not (tmp_path / "out" / "report.json").exists()
+
+    def broken_audit(args, workdir):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(cli, "_audit", broken_audit)
+    assert cli.main(["--out", str(tmp_path / "out2")]) == 4  # internal error, not the gate's 1
+    assert "internal error" in capfd.readouterr().err

@@ -1,8 +1,11 @@
 """In-place patch of a transformers Llama / Qwen2 / Qwen3 model onto rl_engine ops.
 
-Per module instance (the class is untouched; ``module.forward`` becomes an instance attribute
-whose ``__wrapped__`` is the original bound ``forward``; patched functions carry
-``_rl_engine_patched = True``):
+Per module instance (the class is untouched; ``module.forward`` becomes an instance attribute,
+a callable object that holds the module it patches (never a closure over it) and carries
+``_rl_engine_patched = True``; its ``__wrapped__`` is the original bound ``forward``). Because the
+module is an attribute, ``copy.deepcopy(model)`` (how TRL builds a reference policy) and pickling
+re-bind every patched forward to the copy's own modules: a copy computes with its own weights and
+stays patched.
 
 * ``nn.Linear`` (q/k/v/o, gate/up/down, ``lm_head``): ``det_gemm(x, W.t(), bias)``.
   ``det_gemm`` is column invariant, so separate q/k/v (gate/up) GEMMs give the bits of vLLM's
@@ -83,51 +86,84 @@ def _check_config(config: Any) -> None:
         raise UnsupportedModelError("patch_model: pretraining_tp > 1")
 
 
-# ------------------------------------------------------------------------------ patching helpers
-def _install(
-    module: torch.nn.Module, make: Callable[[torch.nn.Module], Callable[..., Any]]
-) -> bool:
+# ------------------------------------------------------------------------------ patched forwards
+class _PatchedForward:
+    """A module's patched ``forward``: a callable object holding the module it patches.
+
+    The module is an attribute, never a closure cell, so the forward follows the module through
+    ``copy.deepcopy`` (TRL builds its reference policy that way) and pickling: the copy's
+    forward computes with the copy's weights. Subclasses implement :meth:`run`; every other
+    per-module setting they keep is a plain attribute too.
+    """
+
+    _rl_engine_patched = True
+    __name__ = "forward"
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        # an instance-level forward that was there before patching (another library's hook)
+        self._original = module.__dict__.get("forward")
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The original forward (bound to this forward's module)."""
+        if self._original is not None:
+            return self._original
+        return type(self.module).forward.__get__(self.module, type(self.module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<rl_engine {type(self).__name__} of {type(self.module).__name__}>"
+
+
+def _install(module: torch.nn.Module, make: Callable[[torch.nn.Module], _PatchedForward]) -> bool:
     current = module.__dict__.get("forward")
     if current is not None and getattr(current, MARK, False):
         return False
-    original = module.forward
-    new = make(module)
-    functools.update_wrapper(new, original)
-    new.__wrapped__ = original
-    setattr(new, MARK, True)
-    module.forward = new
+    module.forward = make(module)
     return True
 
 
-def _linear_forward(mod: torch.nn.Linear):
-    def forward(x: torch.Tensor) -> torch.Tensor:
+class _LinearForward(_PatchedForward):
+    """``nn.Linear``: ``det_gemm(x, W.t(), bias)``."""
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        mod = self.module
         shape = x.shape
         y = ops.det_gemm(x.reshape(-1, shape[-1]), mod.weight.t(), mod.bias)
         return y.view(*shape[:-1], mod.weight.shape[0])
 
-    return forward
+
+class _NormForward(_PatchedForward):
+    """``*RMSNorm``: ``rms_norm(x, weight, eps)``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None:
+            eps = getattr(module, "eps", None)
+        if eps is None or getattr(module, "weight", None) is None:
+            raise UnsupportedModelError(
+                f"patch_model: {type(module).__name__} without weight / eps"
+            )
+        self.eps = float(eps)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.module.weight, self.eps)
 
 
-def _norm_forward(mod: torch.nn.Module):
-    eps = getattr(mod, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(mod, "eps", None)
-    if eps is None or getattr(mod, "weight", None) is None:
-        raise UnsupportedModelError(f"patch_model: {type(mod).__name__} without weight / eps")
-    eps = float(eps)
+class _MLPForward(_PatchedForward):
+    """``*MLP``: ``down(silu_and_mul(cat([gate(x), up(x)])))``."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, mod.weight, eps)
-
-    return forward
-
-
-def _mlp_forward(mod: torch.nn.Module):
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        mod = self.module
         gate_up = torch.cat([mod.gate_proj(x), mod.up_proj(x)], dim=-1)
         return mod.down_proj(ops.silu_and_mul(gate_up))
-
-    return forward
 
 
 def _cu_from_lens(lens: torch.Tensor) -> torch.Tensor:
@@ -148,22 +184,30 @@ def _packed_cu_from_positions(pos: torch.Tensor) -> torch.Tensor | None:
     return _cu_from_lens(lens)
 
 
-def _attention_forward(mod: torch.nn.Module, rope_kw: dict[str, Any]):
-    cfg = mod.config
-    d = mod.head_dim
-    hq = cfg.num_attention_heads
-    hkv = cfg.num_key_value_heads
-    scale = mod.scaling
-    if getattr(mod, "sliding_window", None):
-        raise UnsupportedModelError("patch_model: sliding-window attention layer")
+class _AttentionForward(_PatchedForward):
+    """``*Attention``: projections, q/k norm, ``rope``, varlen / paged attention, ``o_proj``."""
 
-    def forward(
+    def __init__(self, module: torch.nn.Module, rope_kw: dict[str, Any]) -> None:
+        super().__init__(module)
+        if getattr(module, "sliding_window", None):
+            raise UnsupportedModelError("patch_model: sliding-window attention layer")
+        cfg = module.config
+        self.rope_kw = dict(rope_kw)
+        self.head_dim = module.head_dim
+        self.hq = cfg.num_attention_heads
+        self.hkv = cfg.num_key_value_heads
+        self.scale = module.scaling
+
+    def run(
+        self,
         hidden_states: torch.Tensor,
         position_embeddings: Any = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
         **kwargs: Any,
     ):
+        mod, d, hq, hkv, scale = self.module, self.head_dim, self.hq, self.hkv, self.scale
+        rope_kw = self.rope_kw
         b, s, _ = hidden_states.shape
         q = mod.q_proj(hidden_states).view(b, s, hq, d)
         k = mod.k_proj(hidden_states).view(b, s, hkv, d)
@@ -201,8 +245,6 @@ def _attention_forward(mod: torch.nn.Module, rope_kw: dict[str, Any]):
             out = _decode(q, k4, v4, b, s, attention_mask, scale)
         out = out.reshape(b, s, hq * d)
         return mod.o_proj(out), None
-
-    return forward
 
 
 def _prefill(q, k, v, b, s, mask, position_ids, kwargs, scale):
@@ -298,15 +340,15 @@ def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, lis
     handled_children: set[int] = set()
     for name, mod in model.named_modules():
         cls = type(mod).__name__
-        make: Callable[[torch.nn.Module], Callable[..., Any]] | None = None
+        make: Callable[[torch.nn.Module], _PatchedForward] | None = None
         if cls.endswith("Attention") and hasattr(mod, "q_proj"):
-            make = functools.partial(_attention_forward, rope_kw=rope_kw)
+            make = functools.partial(_AttentionForward, rope_kw=rope_kw)
         elif cls.endswith("MLP") and hasattr(mod, "gate_proj"):
-            make = _mlp_forward
+            make = _MLPForward
         elif cls.endswith("RMSNorm"):
-            make = _norm_forward
+            make = _NormForward
         elif isinstance(mod, torch.nn.Linear):
-            make = _linear_forward
+            make = _LinearForward
         if make is None:
             own = [p for p in mod.parameters(recurse=False)]
             if isinstance(mod, torch.nn.Embedding) or cls.endswith("RotaryEmbedding"):
@@ -337,7 +379,10 @@ def unpatch_model(model: torch.nn.Module) -> None:
     for mod in model.modules():
         fwd = mod.__dict__.get("forward")
         if fwd is not None and getattr(fwd, MARK, False):
-            del mod.__dict__["forward"]
+            if fwd._original is not None:
+                mod.forward = fwd._original
+            else:
+                del mod.__dict__["forward"]
     if hasattr(model, "_rl_engine_attn_implementation"):
         model.config._attn_implementation = model._rl_engine_attn_implementation
         del model._rl_engine_attn_implementation

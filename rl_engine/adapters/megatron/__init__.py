@@ -11,9 +11,11 @@
 Import explicitly (``import rl_engine.adapters.megatron``); needs ``megatron-core``.
 """
 
+from rl_engine.adapters.megatron import _quiet  # noqa: F401  (first: before megatron imports)
 from rl_engine.adapters.megatron.loader import (
     from_pretrained,
     hf_to_megatron_state,
+    megatron_to_hf_state,
     stock_from_pretrained,
 )
 from rl_engine.adapters.megatron.logprobs import token_logprobs
@@ -29,6 +31,7 @@ __all__ = [
     "get_gpt_block_rl_spec",
     "get_gpt_layer_rl_spec",
     "hf_to_megatron_state",
+    "megatron_to_hf_state",
     "replace_modules",
     "stock_from_pretrained",
     "token_logprobs",

@@ -12,7 +12,14 @@ import torch
 from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
 from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec
 
-__all__ = ["from_pretrained", "hf_config_to_megatron", "rope_from_hf_config"]
+__all__ = [
+    "from_pretrained",
+    "hf_config_to_megatron",
+    "hf_to_megatron_state",
+    "megatron_to_hf_state",
+    "rope_from_hf_config",
+    "stock_from_pretrained",
+]
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -146,6 +153,63 @@ def hf_to_megatron_state(
     return out
 
 
+def megatron_to_hf_state(
+    state: dict[str, torch.Tensor], cfg: dict[str, Any], tied: bool
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_megatron_state`: a TP = 1 ``GPTModel`` state dict back to
+    Hugging Face names (QKV de-interleaved per query group, FC1 split into gate / up). Exact
+    copies (views / slices), so weights pushed to a rollout engine keep their bits.
+
+    Raises ``KeyError`` naming the first Megatron tensor the state lacks.
+    """
+    nq = cfg["num_attention_heads"]
+    ng = cfg.get("num_key_value_heads") or nq
+    d = cfg.get("head_dim") or cfg["hidden_size"] // nq
+    per = nq // ng
+    ffn = cfg["intermediate_size"]
+    pre = "model."
+
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"megatron_to_hf_state: the state has no {name!r}")
+        return state[name]
+
+    def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rest = t.shape[1:]
+        g = t.reshape(ng, (per + 2) * d, *rest)
+        q = g[:, : per * d].reshape(nq * d, *rest)
+        k = g[:, per * d : (per + 1) * d].reshape(ng * d, *rest)
+        v = g[:, (per + 1) * d :].reshape(ng * d, *rest)
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    out: dict[str, torch.Tensor] = {
+        pre + "embed_tokens.weight": get("embedding.word_embeddings.weight"),
+        pre + "norm.weight": get("decoder.final_layernorm.weight"),
+    }
+    if not tied:
+        out["lm_head.weight"] = get("output_layer.weight")
+    for i in range(cfg["num_hidden_layers"]):
+        h = f"{pre}layers.{i}."
+        m = f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[h + "input_layernorm.weight"] = get(m + "input_layernorm.weight")
+        q, k, v = split_qkv(get(m + "self_attention.linear_qkv.weight"))
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if m + "self_attention.linear_qkv.bias" in state:
+            q, k, v = split_qkv(state[m + "self_attention.linear_qkv.bias"])
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        if m + "self_attention.q_layernorm.weight" in state:
+            out[a + "q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = get(m + "self_attention.k_layernorm.weight")
+        out[a + "o_proj.weight"] = get(m + "self_attention.linear_proj.weight")
+        out[h + "post_attention_layernorm.weight"] = get(m + "pre_mlp_layernorm.weight")
+        fc1 = get(m + "mlp.linear_fc1.weight")
+        out[h + "mlp.gate_proj.weight"] = fc1[:ffn].contiguous()
+        out[h + "mlp.up_proj.weight"] = fc1[ffn:].contiguous()
+        out[h + "mlp.down_proj.weight"] = get(m + "mlp.linear_fc2.weight")
+    return out
+
+
 def from_pretrained(
     path: str | os.PathLike[str],
     *,
@@ -167,7 +231,8 @@ def from_pretrained(
 
     Returns:
         ``GPTModel`` in eval mode, built with ``position_embedding_type="none"`` (RoPE is applied
-        by the rl_engine core attention; ``model.rl_engine_rope`` holds its settings).
+        by the rl_engine core attention; ``model.rl_engine_rope`` holds its settings) and the
+        checkpoint's unpadded vocabulary (``model.rl_engine_vocab_size``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -214,6 +279,7 @@ def from_pretrained(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device=device, dtype=dtype)
     model.rl_engine_rope = rope
+    model.rl_engine_vocab_size = int(cfg["vocab_size"])  # the true vocabulary (token_logprobs)
     model.eval()
     return model
 
@@ -254,4 +320,5 @@ def stock_from_pretrained(
         raise RuntimeError(f"stock_from_pretrained: missing {missing}, unexpected {unexpected}")
     if torch.cuda.is_available():
         model = model.cuda()
+    model.rl_engine_vocab_size = int(cfg["vocab_size"])  # the true vocabulary (token_logprobs)
     return model.eval()

@@ -9,7 +9,7 @@ import torch
 from rl_engine import ops
 from rl_engine.adapters.megatron.modules import UnsupportedNumericsError
 
-__all__ = ["token_logprobs", "unwrap_gpt"]
+__all__ = ["token_logprobs", "true_vocab_size", "unwrap_gpt"]
 
 
 def unwrap_gpt(model: Any) -> Any:
@@ -26,7 +26,40 @@ def unwrap_gpt(model: Any) -> Any:
     raise TypeError(f"expected a megatron-core GPTModel (or a wrapper of one), got {type(model)}")
 
 
-def _output_weight(gpt: Any) -> torch.Tensor:
+VOCAB_ATTR = "rl_engine_vocab_size"  # the true (unpadded) vocabulary size recorded on a GPTModel
+
+
+def true_vocab_size(gpt: Any, vocab_size: int | None = None) -> int:
+    """The true (unpadded) vocabulary size of ``gpt``: ``vocab_size`` when given, else the size
+    recorded on the model (``model.rl_engine_vocab_size``, set by
+    :func:`~rl_engine.adapters.megatron.from_pretrained` and by
+    :func:`~rl_engine.adapters.megatron.replace_modules` with ``vocab_size=``).
+
+    ``GPTModel.vocab_size`` is not used on its own: Megatron pads the vocabulary (e.g.
+    ``make_vocab_size_divisible_by`` x TP) and the model does not know by how much, while the
+    rollout engine truncates its logits to the checkpoint's ``vocab_size``.
+
+    Raises:
+        ValueError: the size is unknown, or outside ``[1, GPTModel.vocab_size]``.
+    """
+    v = vocab_size if vocab_size is not None else getattr(gpt, VOCAB_ATTR, None)
+    if v is None:
+        raise ValueError(
+            "token_logprobs: the true vocabulary size of this GPTModel is unknown "
+            f"(GPTModel.vocab_size={gpt.vocab_size} may include Megatron's vocabulary padding, "
+            "whose columns must not take probability mass): pass vocab_size=<the checkpoint's "
+            "vocab_size>, or declare it once with replace_modules(model, vocab_size=...)"
+        )
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= gpt.vocab_size:
+        raise ValueError(
+            f"token_logprobs: vocab_size must be an int in [1, {gpt.vocab_size}] (the model's "
+            f"padded vocabulary), got {v!r}"
+        )
+    return v
+
+
+def _output_weight(gpt: Any, vocab_size: int | None = None) -> torch.Tensor:
+    """The LM-head weight rows of the true vocabulary (padded rows sliced off: a view)."""
     if not (gpt.pre_process and gpt.post_process):
         raise UnsupportedNumericsError("token_logprobs: pipeline parallelism is not supported")
     if gpt.share_embeddings_and_output_weights:
@@ -38,7 +71,8 @@ def _output_weight(gpt: Any) -> torch.Tensor:
             f"token_logprobs: the LM head holds {w.shape[0]} of {gpt.vocab_size} vocabulary rows "
             "(vocab-parallel TP > 1 is not supported)"
         )
-    return w
+    v = true_vocab_size(gpt, vocab_size)
+    return w if v == w.shape[0] else w[:v]
 
 
 def _hidden(gpt: Any, ids: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:
@@ -110,8 +144,13 @@ def token_logprobs(
     attention_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     return_entropy: bool = False,
+    vocab_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``input_ids[:, 1:]`` under the model at ``temperature``, via ``linear_logp``.
+
+    Vocabulary padding: the log-softmax runs over the true vocabulary only (the LM-head rows
+    ``[:vocab_size]``), as the rollout engine's truncated logits do; Megatron's padded rows never
+    take probability mass, and a target id in the padding raises.
 
     The [tokens, vocab] logits are never materialised. Differentiable (backward through
     ``linear_logp`` and the rl_engine layers). The model must be built with the rl_engine spec
@@ -136,12 +175,15 @@ def token_logprobs(
         attention_mask: padding mask of the padded layout.
         cu_seqlens: sequence boundaries of the packed layout.
         return_entropy: also return the entropy at each position (same shape).
+        vocab_size: the true (unpadded) vocabulary size (the checkpoint's ``vocab_size``);
+            default: the size recorded on the model (see :func:`true_vocab_size`); it is an
+            error when neither is known.
 
     Returns:
         fp32 log-probs (and entropies).
     """
     gpt = unwrap_gpt(model)
-    weight = _output_weight(gpt)
+    weight = _output_weight(gpt, vocab_size)
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be int64/int32, got {input_ids.dtype}")
     input_ids = input_ids.long()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.adapters.megatron.logprobs import VOCAB_ATTR, true_vocab_size, unwrap_gpt
 from rl_engine.adapters.megatron.modules import (
     RLMLP,
     RLColumnParallelLinear,
@@ -32,8 +33,12 @@ class ReplaceReport:
     Attributes:
         replaced: qualified names of modules swapped to rl_engine numerics.
         already: names that were already rl_engine modules (idempotence).
-        not_replaced: ``(name, reason)`` of numerically relevant modules left as they were.
+        not_replaced: ``(name, reason)`` of numerically relevant modules (or settings) left
+            as they were; never empty when anything that holds parameters, or the model's RoPE,
+            was skipped.
         left_alone: names deliberately untouched (exact ops: embedding lookup, identity ops).
+
+    Names are relative to the ``GPTModel`` (inside any DDP / ``Float16Module`` wrapper).
     """
 
     replaced: list[str] = field(default_factory=list)
@@ -81,11 +86,45 @@ def _swap_class(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
+_ROPE_TYPES = ("rope", "mrope", "yarn")  # Megatron position_embedding_type values applying RoPE
+
+
+def _check_rope(gpt: Any, rope: RopeSettings | None, report: ReplaceReport) -> None:
+    """A model that applies RoPE must get rl_engine's RoPE: never drop it silently."""
+    kind = getattr(gpt, "position_embedding_type", None)
+    if rope is None and (kind in _ROPE_TYPES or getattr(gpt, "rotary_pos_emb", None) is not None):
+        report.not_replaced.append(
+            (
+                "rotary_pos_emb",
+                f"the model applies RoPE (position_embedding_type={kind!r}) but no RoPE settings "
+                "were given or found; pass rope=RopeSettings(...)",
+            )
+        )
+
+
+def _norm_eps(child: torch.nn.Module, cfg: Any) -> tuple[float | None, str]:
+    """The epsilon of an RMSNorm replacement: the model config's ``layernorm_epsilon`` (what the
+    rollout engine reads as ``rms_norm_eps``); ``(None, reason)`` when it cannot be settled."""
+    cfg_eps = getattr(cfg, "layernorm_epsilon", None)
+    eps = getattr(child, "eps", None)
+    if cfg_eps is None:
+        if eps is None:
+            return None, "RMSNorm with eps=None and no config.layernorm_epsilon"
+        return float(eps), ""
+    if eps is not None and float(eps) != float(cfg_eps):
+        return None, (
+            f"RMSNorm eps {eps} differs from config.layernorm_epsilon {cfg_eps} (which one "
+            "does the rollout engine use?)"
+        )
+    return float(cfg_eps), ""
+
+
 def replace_modules(
     model: torch.nn.Module,
     *,
     rope: RopeSettings | None | str = "infer",
     strict: bool = True,
+    vocab_size: int | None = None,
 ) -> ReplaceReport:
     """Swap a megatron-core ``GPTModel``'s layers for rl_engine ones, in place.
 
@@ -101,12 +140,24 @@ def replace_modules(
     Megatron's ``RotaryEmbedding`` module (still computed by ``GPTModel``, its output is ignored:
     the core attention applies rl_engine's RoPE from ``rope``).
 
+    RMSNorm epsilons come from the model config (``layernorm_epsilon``, the rollout's
+    ``rms_norm_eps``); a norm whose own eps is ``None`` gets the config's, one whose eps differs
+    from the config's is not replaced. Every module that holds parameters and is neither replaced
+    nor an exact op is reported in ``not_replaced``, as is a model that applies RoPE when no
+    RoPE settings were given or found.
+
     Args:
-        model: a ``GPTModel`` (local spec; TE / apex modules are not replaceable).
+        model: a ``GPTModel`` (local spec; TE / apex modules are not replaceable), or a wrapper
+            of one (DDP, ``Float16Module``, anything with a ``.module`` chain): the
+            ``GPTModel`` inside is converted.
         rope: :class:`RopeSettings`; ``"infer"`` recovers plain RoPE from the model and checks
             the frequencies bitwise; ``None`` for a model without RoPE.
         strict: raise :class:`UnsupportedNumericsError` listing every numerically relevant
             module that could not be replaced (otherwise they are only reported).
+        vocab_size: the true (unpadded) vocabulary size (the checkpoint's ``vocab_size``),
+            recorded on the model for :func:`~rl_engine.adapters.megatron.token_logprobs`, which
+            then excludes Megatron's padded vocabulary rows. ``GPTModel.vocab_size`` may include
+            padding, so it is never assumed.
 
     Returns:
         A :class:`ReplaceReport`.
@@ -118,10 +169,19 @@ def replace_modules(
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    model = unwrap_gpt(model)
+    if vocab_size is not None:
+        setattr(model, VOCAB_ATTR, true_vocab_size(model, vocab_size))
     report = ReplaceReport()
     if rope == "infer":
         existing = [m.rope for m in model.modules() if isinstance(m, RLCoreAttention)]
         rope = existing[0] if existing else _infer_rope(model)
+    if not isinstance(rope, RopeSettings | None):
+        raise TypeError(
+            f"replace_modules: rope must be RopeSettings, None or 'infer', not {rope!r}"
+        )
+    if any(type(m) is DotProductAttention for m in model.modules()):
+        _check_rope(model, rope, report)
     cfg = model.config
     if getattr(cfg, "fp32_residual_connection", False):
         report.not_replaced.append(("config", "fp32_residual_connection"))
@@ -171,6 +231,7 @@ def replace_modules(
         elif isinstance(mod, IdentityOp) or type(mod).__name__ in (
             "VocabParallelEmbedding",
             "LanguageModelEmbedding",
+            "Embedding",
             "RotaryEmbedding",
             "Dropout",
         ):
@@ -184,10 +245,14 @@ def replace_modules(
                 if child.weight is None:
                     report.not_replaced.append((full, "RMSNorm without weight"))
                     continue
+                eps, why = _norm_eps(child, cfg)
+                if eps is None:
+                    report.not_replaced.append((full, why))
+                    continue
                 new = RLRMSNorm.__new__(RLRMSNorm)
                 torch.nn.Module.__init__(new)
                 new.config = cfg
-                new.eps = float(child.eps if child.eps is not None else 1e-6)
+                new.eps = eps
                 new.weight = child.weight
                 setattr(mod, child_name, new)
                 report.replaced.append(full)
@@ -212,6 +277,16 @@ def replace_modules(
                 type(child).__name__.startswith("TE")
             ):
                 report.not_replaced.append((full, f"{type(child).__name__} (TE / apex module)"))
+    # Anything else that holds parameters was skipped: say so.
+    covered = set(report.replaced) | set(report.already) | set(report.left_alone)
+    flagged = {n for n, _ in report.not_replaced}
+    for name, mod in model.named_modules():
+        if name in covered or name in flagged or isinstance(mod, RLRMSNorm | RLCoreAttention):
+            continue
+        if any(True for _ in mod.parameters(recurse=False)):
+            report.not_replaced.append(
+                (name, f"{type(mod).__name__} holds parameters that rl_engine does not route")
+            )
     if strict and report.not_replaced:
         lines = "; ".join(f"{n}: {r}" for n, r in report.not_replaced)
         raise UnsupportedNumericsError(f"replace_modules(strict=True): cannot replace {lines}")

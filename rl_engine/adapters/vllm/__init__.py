@@ -5,7 +5,14 @@ Switch it on with ``RL_ENGINE_VLLM=1`` (vLLM loads :func:`plugin.register` throu
 the process that runs the model (in-process engines). See ``docs/adapters/vllm.md``.
 
 Public API: :func:`apply`, :func:`remove`, :func:`is_applied`, :func:`provenance`,
-:data:`SUPPORTED_VLLM_VERSIONS`, :data:`SUPPORTED_ARCHITECTURES`, :class:`UnroutableModelError`.
+:func:`require_routing`, :data:`SUPPORTED_VLLM_VERSIONS`, :data:`SUPPORTED_ARCHITECTURES`,
+:class:`UnroutableModelError`, :class:`UnsupportedVLLMVersionError`,
+:class:`RoutingMissingError`.
+
+Ray: vLLM's Ray executor does not forward ``RL_ENGINE_*`` variables to its workers. Put them in
+the Ray runtime environment (``ray.init(runtime_env={"env_vars": {"RL_ENGINE_VLLM": "1"}})``)
+and call :func:`require_routing` after building the ``LLM``: it raises when any worker runs
+unrouted.
 """
 
 from __future__ import annotations
@@ -13,45 +20,70 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rl_engine.registry import RLEngineError
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_VLLM_VERSIONS",
+    "RoutingMissingError",
     "UnroutableModelError",
+    "UnsupportedVLLMVersionError",
     "apply",
     "is_applied",
     "provenance",
     "remove",
+    "require_routing",
 ]
 
 logger = logging.getLogger("rl_engine.adapters.vllm")
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package does not import vLLM
-    if name in ("SUPPORTED_ARCHITECTURES", "SUPPORTED_VLLM_VERSIONS", "UnroutableModelError"):
+    if name in ("SUPPORTED_ARCHITECTURES", "UnroutableModelError"):
         from rl_engine.adapters.vllm import check
 
         return getattr(check, name)
+    if name in ("SUPPORTED_VLLM_VERSIONS", "UnsupportedVLLMVersionError"):
+        from rl_engine.adapters.vllm import compat
+
+        return getattr(compat, name)
     raise AttributeError(name)
 
 
+class RoutingMissingError(RLEngineError):
+    """A vLLM worker runs without the rl_engine routing (:func:`require_routing`)."""
+
+
 def apply() -> None:
-    """Patch vLLM's layers and register the attention backend in this process (idempotent).
+    """Patch vLLM's layers and samplers and register the attention backend (idempotent).
 
-    Must run before vLLM builds the model (the plugin entry point does). Warns when the
-    installed vLLM is not a tested version.
+    Must run before vLLM builds the model (the plugin entry point does).
+
+    Raises:
+        UnsupportedVLLMVersionError: the installed vLLM is not a tested version and the
+            configuration does not allow untested ones (``RL_ENGINE_VLLM_ALLOW_UNTESTED=1``).
+            Nothing is patched then (no partial routing).
     """
-    import vllm
+    from rl_engine.adapters.vllm import compat
 
-    from rl_engine.adapters.vllm import attention, check, patches
+    family = compat.check_version()  # raises before anything is patched
+    from rl_engine.adapters.vllm import attention, patches
 
-    if vllm.__version__ not in check.SUPPORTED_VLLM_VERSIONS:
+    if not compat.is_tested():
         logger.warning(
-            "rl_engine vLLM plugin: vLLM %s is not a tested version (%s)",
-            vllm.__version__,
-            ", ".join(check.SUPPORTED_VLLM_VERSIONS),
+            "rl_engine vLLM plugin: running on untested vLLM %s (API family %s) because "
+            "%s is set; tested: %s",
+            compat.vllm_version(),
+            family,
+            compat.ALLOW_UNTESTED_SWITCH,
+            ", ".join(compat.SUPPORTED_VLLM_VERSIONS),
         )
-    patches.apply_layer_patches()
-    attention.register_backend()
+    try:
+        patches.apply_layer_patches()
+        attention.register_backend()
+    except BaseException:
+        remove()  # all or nothing
+        raise
 
 
 def remove() -> None:
@@ -74,6 +106,60 @@ def _worker_provenance(worker: Any) -> dict[str, Any]:
 
     check.write_provenance()
     return check.provenance_record()
+
+
+def _worker_routing(worker: Any) -> dict[str, Any]:
+    """What :func:`require_routing` needs from one worker (runs in the worker)."""
+    import os
+
+    from rl_engine.adapters.vllm import patches
+
+    try:
+        from rl_engine.adapters.vllm import check
+
+        models = check.provenance_record()["models"]
+    except Exception as exc:  # the plugin's own import failing is exactly what to report
+        return {"pid": os.getpid(), "applied": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"pid": os.getpid(), "applied": patches.is_patched(), "models": models}
+
+
+def require_routing(llm: Any) -> list[dict[str, Any]]:
+    """Raise unless every worker of ``llm`` (a ``vllm.LLM``) runs the rl_engine routing.
+
+    Checks, in each worker (through ``llm.collective_rpc``), that the patches are applied and
+    that the loaded model was checked with no unroutable layer (its sampler included). Call it
+    once after building the ``LLM``, before trusting its log-probs: it catches the plugin being
+    off in workers (``RL_ENGINE_VLLM`` not forwarded to Ray workers, a ``VLLM_PLUGINS`` list
+    without ``rl_engine``), which vLLM itself never reports.
+
+    Returns:
+        One dict per worker (pid, applied, models) when all are routed.
+
+    Raises:
+        RoutingMissingError: naming each worker without routing and why.
+    """
+    infos = llm.collective_rpc(_worker_routing)
+    problems = []
+    for i, info in enumerate(infos):
+        who = f"worker {i} (pid {info.get('pid')})"
+        if not info.get("applied"):
+            why = info.get("error") or "the rl_engine patches are not applied"
+            problems.append(f"{who}: {why}")
+        elif not info.get("models"):
+            problems.append(f"{who}: no model was loaded through the patched loader")
+        else:
+            bad = info["models"][-1].get("unroutable") or []
+            if bad:
+                problems.append(f"{who}: unroutable layers: {'; '.join(bad)}")
+    if problems:
+        raise RoutingMissingError(
+            "rl_engine vLLM plugin is not routing every worker:\n  "
+            + "\n  ".join(problems)
+            + "\nSwitch it on in every vLLM process: RL_ENGINE_VLLM=1 in the environment of the "
+            "workers (for Ray: runtime_env={'env_vars': {'RL_ENGINE_VLLM': '1'}}), and keep "
+            "'rl_engine' in VLLM_PLUGINS if you set that list."
+        )
+    return infos
 
 
 def provenance(llm: Any) -> list[dict[str, Any]]:

@@ -15,20 +15,36 @@ from typing import Any
 
 import torch
 
+from rl_engine.adapters.vllm.compat import STRUCTURAL_MODULES as _STRUCTURAL_MODULES
+from rl_engine.adapters.vllm.compat import SUPPORTED_VLLM_VERSIONS  # noqa: F401 (re-export)
 from rl_engine.registry import KernelRegistry, RLEngineError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
-_STRUCTURAL_MODULES = (
-    "vllm.model_executor.models.llama",
-    "vllm.model_executor.models.qwen2",
-    "vllm.model_executor.models.qwen3",
-)
-# The rl_engine ops a routed model runs (resolved at load so provenance is complete).
-ROUTED_OPS = ("det_gemm", "rms_norm", "silu_and_mul", "rope", "attention", "logp")
+# The rl_engine ops a routed model's forward runs: resolved when the model is loaded (vLLM runs
+# the forward right after, in its profiling / warm-up runs, and the compiled graph keeps the
+# providers resolved at trace time). ``logp`` is not among them: it is resolved, and counted,
+# only when the routed sampler runs (``executed`` in provenance).
+ROUTED_OPS = ("det_gemm", "rms_norm", "silu_and_mul", "rope", "attention")
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"models": [], "unrouted_uses": {}}
+_state: dict[str, Any] = {
+    "models": [],
+    "unrouted_uses": {},
+    "executed": {"logp_calls": 0, "logp_rows": 0},
+    "logprobs_mode": None,
+}
+
+
+def record_routed_logp(rows: int) -> None:
+    """The routed log-prob path ran on ``rows`` logit rows (bumped by the samplers' patches)."""
+    with _lock:
+        _state["executed"]["logp_calls"] += 1
+        _state["executed"]["logp_rows"] += rows
+
+
+def logprobs_mode() -> str | None:
+    """The ``logprobs_mode`` of the last model loaded in this process (``None`` before)."""
+    return _state["logprobs_mode"]
 
 
 class UnroutableModelError(RLEngineError):
@@ -43,19 +59,15 @@ def record_unrouted_use(layer: str, reason: str) -> None:
 
 def _classify(name: str, module: torch.nn.Module, vllm_config: Any) -> tuple[str, str | None]:
     """``("routed" | "structural", None)`` or ``("unroutable", reason)``."""
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
-    )
-
-    from rl_engine.adapters.vllm import patches
+    from rl_engine.adapters.vllm import compat, patches
     from rl_engine.adapters.vllm.attention import RLEngineAttentionImpl
+
+    lay = compat.layers()
+    SiluAndMul, Attention, RMSNorm = lay.SiluAndMul, lay.Attention, lay.RMSNorm
+    LinearBase, UnquantizedLinearMethod = lay.LinearBase, lay.UnquantizedLinearMethod
+    LogitsProcessor, RotaryEmbedding = lay.LogitsProcessor, lay.RotaryEmbedding
+    UnquantizedEmbeddingMethod = lay.UnquantizedEmbeddingMethod
+    VocabParallelEmbedding = lay.VocabParallelEmbedding
 
     cls = type(module)
     if isinstance(module, LinearBase):
@@ -119,7 +131,18 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         elif kind == "unroutable":
             unroutable.append(f"{name or '<root>'}: {reason}")
     sampler_mode = vllm_config.model_config.logprobs_mode
-    return {"routed": routed, "unroutable": unroutable, "logprobs_mode": sampler_mode}
+    from rl_engine.adapters.vllm import compat, patches
+
+    runner = "v2" if compat.uses_v2_model_runner(vllm_config) else "v1"
+    samplers = patches.routed_samplers()
+    if not any(("gpu.sample" in n) == (runner == "v2") for n in samplers):
+        unroutable.append(f"<sampler>: the {runner} model runner's sampler is not routed")
+    return {
+        "routed": routed,
+        "unroutable": unroutable,
+        "logprobs_mode": sampler_mode,
+        "model_runner": runner,
+    }
 
 
 def on_model_loaded(model: torch.nn.Module, vllm_config: Any) -> None:
@@ -149,6 +172,7 @@ def on_model_loaded(model: torch.nn.Module, vllm_config: Any) -> None:
     }
     with _lock:
         _state["models"].append(entry)
+        _state["logprobs_mode"] = str(mc.logprobs_mode)
     write_provenance()
 
 
@@ -162,6 +186,9 @@ def provenance_record() -> dict[str, Any]:
     with _lock:
         models = [dict(m) for m in _state["models"]]
         unrouted = dict(_state["unrouted_uses"])
+        executed = dict(_state["executed"])
+    from rl_engine.adapters.vllm import patches
+
     return {
         "pid": os.getpid(),
         "rl_engine_version": getattr(rl_engine, "__version__", "unknown"),
@@ -170,6 +197,9 @@ def provenance_record() -> dict[str, Any]:
         "mode": config.settings().mode,
         "models": models,
         "unrouted_uses": unrouted,
+        "executed": executed,
+        "routed": patches.is_patched(),
+        "routed_samplers": patches.routed_samplers(),
         "registry": KernelRegistry.report(),
     }
 

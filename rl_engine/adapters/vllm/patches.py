@@ -11,8 +11,14 @@ function carries ``_rl_engine_patched = True``):
 * ``SiluAndMul.forward`` -> ``silu_and_mul``.
 * ``RotaryEmbedding.forward`` -> ``rope`` with theta / rotary_dim / layout / scaling read from the
   layer (plain, ``Llama3RotaryEmbedding`` and single-factor ``LinearScalingRotaryEmbedding``).
-* ``Sampler.forward``: sampling is vLLM's own (on the invariant logits); the log-probs it reports
-  for sampled tokens and top-k are recomputed with ``logp`` (see :func:`_sampler_forward`).
+* ``Sampler.forward`` (V1 model runner) and the V2 model runner's ``Sampler.__call__``: sampling
+  is vLLM's own (on the invariant logits); the log-probs it reports for sampled tokens and top-k
+  are recomputed with ``logp`` (:func:`rl_engine_logprobs`); every routed call bumps the
+  executed-use counter that provenance reports (``check.record_routed_logp``).
+* ``InputBatch.add_request`` (V1) and the V2 ``Sampler.add_request``: each request's sampling
+  parameters are checked once (:func:`check_sampling_params`): a warning, once per reason and
+  process, for log-probs the plugin does not model (raw mode at a temperature != 1; top-k /
+  top-p / min-p / penalties / logit bias / allowed or bad words).
 * ``BaseModelLoader.load_model``: after loading, the model is checked (:mod:`.check`); in strict
   mode a layer that is not routed refuses the model; the registry provenance is written.
 * The attention backend is swapped through vLLM's backend registry (:mod:`.attention`).
@@ -128,13 +134,28 @@ def _make_silu_forward(original):
 
 
 # ------------------------------------------------------------------------------------- rope
+_ROPE_CLASSES: tuple[type, type, type] | None = None
+
+
+def _rope_classes() -> tuple[type, type, type]:
+    """vLLM's (plain, linear-scaling, llama3) rotary classes. Cached when the patches are applied,
+    so the patched forward (traced by torch.compile) only reads a global: no imports there."""
+    global _ROPE_CLASSES
+    if _ROPE_CLASSES is None:
+        from rl_engine.adapters.vllm import compat
+
+        lay = compat.layers()
+        _ROPE_CLASSES = (
+            lay.RotaryEmbedding,
+            lay.LinearScalingRotaryEmbedding,
+            lay.Llama3RotaryEmbedding,
+        )
+    return _ROPE_CLASSES
+
+
 def rope_scaling(module: Any) -> tuple[dict[str, Any] | None, str | None]:
     """The rl_engine ``scaling`` dict of a vLLM rotary layer, or ``(None, reason)``."""
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
-        LinearScalingRotaryEmbedding,
-    )
-    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+    RotaryEmbedding, LinearScalingRotaryEmbedding, Llama3RotaryEmbedding = _rope_classes()
 
     cls = type(module)
     if cls is RotaryEmbedding:
@@ -196,18 +217,27 @@ def _unrouted_call(module: Any, reason: str) -> None:
 _SAMPLING_EPS = 1e-5
 
 
+def _temps_for(raw: list[float], mode: str) -> list[float]:
+    """Per-row temperature of the routed log-probs: 1 in raw mode and for greedy rows."""
+    if mode == "raw_logprobs":
+        return [1.0] * len(raw)
+    return [1.0 if t < _SAMPLING_EPS else float(t) for t in raw]
+
+
 def _row_temperatures(logits: torch.Tensor, sampling_metadata: Any, mode: str) -> list[float]:
     n = logits.shape[0]
     if mode == "raw_logprobs" or sampling_metadata.temperature is None:
         return [1.0] * n
-    temps = sampling_metadata.temperature[:n].tolist()
-    return [1.0 if t < _SAMPLING_EPS else float(t) for t in temps]
+    # One small device->host copy per sampler call (the sampler runs eagerly, outside graphs).
+    return _temps_for(sampling_metadata.temperature[:n].tolist(), mode)
 
 
 def _logp_rows(logits: torch.Tensor, tokens: torch.Tensor, temps: list[float]) -> torch.Tensor:
     """``logp(logits[i], tokens[i], temps[i])`` for every row; rows grouped by temperature."""
     from rl_engine.ops import logp
 
+    if len(set(temps)) == 1:
+        return logp(logits, tokens, temps[0])
     out = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
     for temp in sorted(set(temps)):
         rows = torch.tensor([i for i, t in enumerate(temps) if t == temp], device=logits.device)
@@ -222,9 +252,10 @@ def rl_engine_logprobs(
 
     Every value is ``rl_engine.ops.logp(logits, token, temperature)``; the top-k tokens are the
     largest logits of the row (the order of log-probs at any positive temperature); the rank of
-    the sampled token is ``1 + #(logits > logits[token])``, as vLLM counts it.
+    the sampled token is ``1 + #(logits > logits[token])``, as vLLM counts it. Bumps the
+    executed-use counter of the routed log-prob path.
     """
-    from vllm.v1.outputs import LogprobsTensors
+    from rl_engine.adapters.vllm import check, compat
 
     sampled = sampled.long()
     cols = [sampled]
@@ -235,10 +266,19 @@ def rl_engine_logprobs(
     lf = logits.float()
     chosen = lf.gather(1, sampled[:, None])
     ranks = (lf > chosen).sum(-1) + 1
-    return LogprobsTensors(ids.to(torch.int32), vals, ranks)
+    check.record_routed_logp(int(logits.shape[0]))
+    return compat.logprobs_tensors(ids.to(torch.int32), vals, ranks)
+
+
+def _unsupported_logprobs(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"rl_engine vLLM plugin: {what} are not routed through rl_engine (ask for logprobs=k >= 0)"
+    )
 
 
 def _make_sampler_forward(original):
+    """V1 model runner: ``Sampler.forward(logits, sampling_metadata, ...)``."""
+
     def forward(
         self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None
     ):
@@ -250,9 +290,8 @@ def _make_sampler_forward(original):
                 self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override
             )
         if num_logprobs == -1 or sampling_metadata.logprob_token_ids:
-            raise NotImplementedError(
-                "rl_engine vLLM plugin: full-vocabulary log-probs (logprobs=-1) and "
-                "logprob_token_ids are not routed through rl_engine"
+            raise _unsupported_logprobs(
+                "full-vocabulary log-probs (logprobs=-1) and logprob_token_ids"
             )
         kept = logits.clone()  # the sampler scales its input in place
         out = original(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
@@ -262,6 +301,124 @@ def _make_sampler_forward(original):
         return out
 
     return forward
+
+
+def _make_sampler_v2_call(original):
+    """V2 model runner: ``Sampler.__call__(logits, input_batch)`` (one logit row per request;
+    speculative decoding, whose expanded rows the plugin does not route, is refused)."""
+
+    def __call__(self, logits, input_batch):
+        from rl_engine.adapters.vllm import compat
+
+        num_logprobs, num_ids, raw_temps, idx, mode = compat.v2_sampler_state(self, input_batch)
+        if num_logprobs < 0 and num_ids == 0:
+            return original(self, logits, input_batch)
+        if num_ids > 0 or num_logprobs >= logits.shape[-1]:
+            raise _unsupported_logprobs(
+                "full-vocabulary log-probs (logprobs=-1) and logprob_token_ids"
+            )
+        if logits.shape[0] != len(idx):
+            raise NotImplementedError(
+                "rl_engine vLLM plugin: log-probs of speculative-decoding batches (several "
+                "logit rows per request) are not routed"
+            )
+        kept = logits.clone()
+        out = original(self, logits, input_batch)
+        sampled = out.sampled_token_ids.reshape(-1)
+        temps = _temps_for([float(t) for t in raw_temps], mode)
+        out.logprobs_tensors = rl_engine_logprobs(kept, sampled, max(num_logprobs, 0), temps)
+        return out
+
+    return __call__
+
+
+# ------------------------------------------------------------------------------ request checks
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    logger.warning(message)
+
+
+def check_sampling_params(params: Any, logprobs_mode: str | None) -> list[str]:
+    """Warn (once per reason and process) about a request whose log-probs the plugin does not
+    model; returns the reasons found (for tests). Requests without log-probs are not checked."""
+    if params is None or getattr(params, "logprobs", None) is None:
+        return []
+    reasons: list[tuple[str, str]] = []
+    temp = float(getattr(params, "temperature", 1.0) or 0.0)
+    if logprobs_mode == "raw_logprobs" and temp >= _SAMPLING_EPS and temp != 1.0:
+        reasons.append(
+            (
+                "raw_temperature",
+                f"log-probs requested at temperature {temp:g} in vLLM's default "
+                "logprobs_mode='raw_logprobs': they are at temperature 1, not the sampling "
+                "temperature. For RL, build the engine with logprobs_mode='processed_logprobs' "
+                "(the plugin then reports logp(logits, token, temperature), what the trainer "
+                "computes)",
+            )
+        )
+    modified = []
+    top_k = getattr(params, "top_k", None)
+    if top_k is not None and top_k not in (0, -1):
+        modified.append(f"top_k={top_k}")
+    if getattr(params, "top_p", 1.0) < 1.0:
+        modified.append(f"top_p={params.top_p}")
+    if getattr(params, "min_p", 0.0) > 0.0:
+        modified.append(f"min_p={params.min_p}")
+    for name, neutral in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ):
+        value = getattr(params, name, neutral)
+        if value is not None and value != neutral:
+            modified.append(f"{name}={value}")
+    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(params, name, None):
+            modified.append(name)
+    for what in modified:
+        key = what.split("=")[0]
+        reasons.append(
+            (
+                key,
+                f"a request uses {what}: vLLM samples from the {key}-modified distribution, "
+                "but the log-probs the plugin reports are the plain temperature-scaled "
+                "log-softmax of the logits (what the trainer computes); they do not model "
+                f"{key} (the sampled token may even have zero probability under it)",
+            )
+        )
+    for key, message in reasons:
+        _warn_once(key, "rl_engine vLLM plugin: " + message)
+    return [k for k, _ in reasons]
+
+
+def _make_input_batch_add_request(original):
+    """V1 model runner: ``InputBatch.add_request(request)`` (request.sampling_params)."""
+
+    def add_request(self, request, *args, **kwargs):
+        from rl_engine.adapters.vllm import check
+
+        check_sampling_params(getattr(request, "sampling_params", None), check.logprobs_mode())
+        return original(self, request, *args, **kwargs)
+
+    return add_request
+
+
+def _make_sampler_v2_add_request(original):
+    """V2 model runner: ``Sampler.add_request(req_idx, [prompt_len,] sampling_params)``."""
+
+    def add_request(self, *args, **kwargs):
+        from rl_engine.adapters.vllm import compat
+
+        params = compat.sampling_params_arg(args, kwargs)
+        check_sampling_params(params, str(self.logprobs_mode))
+        return original(self, *args, **kwargs)
+
+    return add_request
 
 
 # ------------------------------------------------------------------------------------- loader
@@ -277,21 +434,30 @@ def _make_load_model(original):
 
 
 def apply_layer_patches() -> None:
-    """Patch vLLM's layer classes (idempotent)."""
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.v1.sample.sampler import Sampler
+    """Patch vLLM's layer classes, both samplers and the loader (idempotent)."""
+    from rl_engine.adapters.vllm import compat
 
-    _patch(UnquantizedLinearMethod, "apply", _make_linear_apply)
-    _patch(UnquantizedLinearMethod, "process_weights_after_loading", _make_keep_weight)
-    _patch(UnquantizedEmbeddingMethod, "apply", _make_linear_apply)
-    _patch(UnquantizedEmbeddingMethod, "process_weights_after_loading", _make_keep_weight)
-    _patch(RMSNorm, "forward", _make_rms_forward)
-    _patch(SiluAndMul, "forward", _make_silu_forward)
-    _patch(RotaryEmbedding, "forward", _make_rope_forward)
-    _patch(Sampler, "forward", _make_sampler_forward)
-    _patch(BaseModelLoader, "load_model", _make_load_model)
+    lay = compat.layers()
+    _rope_classes()  # cache before any traced forward needs it
+    _patch(lay.UnquantizedLinearMethod, "apply", _make_linear_apply)
+    _patch(lay.UnquantizedLinearMethod, "process_weights_after_loading", _make_keep_weight)
+    _patch(lay.UnquantizedEmbeddingMethod, "apply", _make_linear_apply)
+    _patch(lay.UnquantizedEmbeddingMethod, "process_weights_after_loading", _make_keep_weight)
+    _patch(lay.RMSNorm, "forward", _make_rms_forward)
+    _patch(lay.SiluAndMul, "forward", _make_silu_forward)
+    _patch(lay.RotaryEmbedding, "forward", _make_rope_forward)
+    _patch(lay.Sampler, "forward", _make_sampler_forward)
+    _patch(lay.InputBatch, "add_request", _make_input_batch_add_request)
+    if lay.SamplerV2 is not None:
+        _patch(lay.SamplerV2, "__call__", _make_sampler_v2_call)
+        _patch(lay.SamplerV2, "add_request", _make_sampler_v2_add_request)
+    _patch(lay.BaseModelLoader, "load_model", _make_load_model)
+
+
+def routed_samplers() -> list[str]:
+    """Names of the sampler entry points this process routes (for provenance)."""
+    names = []
+    for owner, name, _, _ in _APPLIED:
+        if name in ("forward", "__call__") and "Sampler" in owner.__name__:
+            names.append(f"{owner.__module__}.{owner.__qualname__}.{name}")
+    return names

