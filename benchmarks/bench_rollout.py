@@ -1,6 +1,7 @@
 """Rollout throughput: vLLM with the rl_engine plugin vs stock vLLM vs ``VLLM_BATCH_INVARIANT=1``.
 
-    python3 benchmarks/bench_rollout.py [--quick] [--out DIR]
+    python3 benchmarks/bench_rollout.py [--quick] [--out DIR] [--configs stock,rl_engine]
+        [--sizes 64,256] [--new-tokens N] [--profile DIR]
 
 A ~1B Qwen2-shaped bf16 model (16 layers, hidden 2048, 16/8 heads, FFN 5632, vocab 151936, tied,
 random weights written locally), 64 and 256 concurrent prompts of 128 tokens x 512 new tokens
@@ -9,7 +10,8 @@ sampled token's log-prob), ``logprobs_mode="processed_logprobs"``, CUDA graphs a
 on for every configuration. Each configuration runs in its own subprocess (the plugin's patches
 are process-global): engine start-up time (load + compile + graph capture), one warm-up
 generate, then the timed generates. Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
-start-up seconds, versions) and prints a table.
+start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
+64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
             }
         )
     res = {"engine_start_s": round(start_s, 1), "rows": rows}
+    prof_dir = os.environ.get("ROLLOUT_PROFILE")
+    if prof_dir:  # where the step time goes: kernels (incl. graph replays) and host ops
+        res["profile"] = _profile(lambda: run(64, 64), Path(prof_dir) / f"{Path(result).stem}")
     import vllm
 
     res["vllm_version"] = vllm.__version__
@@ -111,6 +116,30 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     Path(result).write_text(json.dumps(res))
 
 
+def _profile(fn, stem: Path) -> dict:
+    """Profile one ``fn()`` (CPU + CUDA); writes ``<stem>.prof.txt`` with the top kernels by
+    device time and the top host ops by self time; returns wall / kernel-time totals (ms)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    ka = prof.key_averages()
+    dev = sum(e.self_device_time_total for e in ka) / 1e3
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{stem}.prof.txt", "w") as f:
+        f.write(f"wall {wall:.1f} ms, device self time {dev:.1f} ms\n\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    print(f"profile: wall {wall:.1f} ms, device self time {dev:.1f} ms -> {stem}.prof.txt")
+    return {"wall_ms": round(wall, 1), "device_ms": round(dev, 1)}
+
+
 def main() -> int:
     if "--worker" in sys.argv:
         i = sys.argv.index("--worker")
@@ -119,9 +148,21 @@ def main() -> int:
         return 0
     import common
 
-    args = common.parse_args(__doc__.split("\n")[0])
+    def extra(p):
+        p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+        p.add_argument("--sizes", default=None, help="concurrent prompts, comma-separated")
+        p.add_argument("--new-tokens", type=int, default=None)
+        p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables")
+
+    args = common.parse_args(__doc__.split("\n")[0], extra)
     sizes = [64] if args.quick else [64, 256]
-    new_tokens = 256 if args.quick else 512
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    new_tokens = args.new_tokens or (256 if args.quick else 512)
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
     from rl_engine.testing.tiny_models import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
@@ -129,9 +170,11 @@ def main() -> int:
         work / "qwen2_1b", dtype="bfloat16", seed=0, initializer_range=0.02, **MODEL
     )
     results = {}
-    for name, env_extra in CONFIGS.items():
+    for name in configs:
         env = dict(os.environ)
-        env.update(env_extra)
+        env.update(CONFIGS[name])
+        if args.profile is not None:
+            env["ROLLOUT_PROFILE"] = str(args.profile)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         out = work / f"{name}.json"

@@ -181,6 +181,10 @@ class KernelRegistry:
     _specs: dict[str, _OpSpec] = {}
     _resolved: dict[tuple[str, str], Provider] = {}
     _records: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
+    # (op, provider) -> provider calls that actually ran (bumped by the custom ops' bodies, which
+    # run at execution: never traced by torch.compile, so a compiled graph that does not contain
+    # an op leaves its count at 0)
+    _executed: dict[tuple[str, str], int] = {}
 
     # ---------------------------------------------------------------- registration
     @classmethod
@@ -243,9 +247,12 @@ class KernelRegistry:
 
     @classmethod
     def provider(cls, op_type: str, name: str) -> Provider:
-        """The provider called ``name`` (no availability check: used by the custom ops)."""
+        """The provider called ``name`` (no availability check: used by the custom ops, whose
+        bodies run at execution, so this also counts executions: :meth:`executed`)."""
         for p in cls._spec(op_type).providers:
             if p.name == name:
+                key = (op_type, name)
+                cls._executed[key] = cls._executed.get(key, 0) + 1
                 return p
         raise BackendUnavailableError(
             f"{op_type}: no provider named {name!r}; providers: "
@@ -343,11 +350,25 @@ class KernelRegistry:
             return [dict(r) for r in cls._records.values()]
 
     @classmethod
+    def executed(cls) -> dict[str, int]:
+        """Op calls that actually ran in this process, per op (all providers together).
+
+        Counted in the custom ops' bodies (real executions, eager or inside a compiled graph;
+        a CUDA-graph replay runs no Python and counts nothing, its capture counts once). A
+        routed op at 0 after a model ran means the model did not run it (e.g. an engine that
+        loaded a compiled graph built without rl_engine's ops)."""
+        out: dict[str, int] = {}
+        for (op, _), n in list(cls._executed.items()):
+            out[op] = out.get(op, 0) + n
+        return out
+
+    @classmethod
     def reset(cls) -> None:
-        """Forget resolutions and records (tests; a new run in the same process)."""
+        """Forget resolutions, records and execution counts (tests; a new run)."""
         with cls._lock:
             cls._resolved.clear()
             cls._records.clear()
+            cls._executed.clear()
 
 
 @torch._dynamo.assume_constant_result

@@ -229,6 +229,56 @@ def test_v2_sampler_wrapper_routes_logprobs_and_counts(monkeypatch):
         )
 
 
+class _NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any read of tensor data by the host (``.item()``, ``.tolist()``, ``bool(t)``):
+    on a GPU each is a stream sync that would stall vLLM's async scheduling every step."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the routed sampler read a tensor value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_reads_guard_trips():
+    with pytest.raises(AssertionError, match="on the host"), _NoHostReads():
+        torch.ones(3).sum().item()
+
+
+def test_v1_sampler_wrapper_mixed_temperatures_no_host_reads():
+    """V1 runner (0.24 Qwen2): one logp launch for rows of mixed temperatures, each row bitwise
+    ``logp(logits, token, its temperature)`` (greedy rows at 1), with no host read of device data."""
+    from rl_engine.adapters.vllm import check, patches
+    from rl_engine.ops import logp
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 70, generator=g)
+    sampled = torch.tensor([3, 11, 0, 69])
+
+    def original(self, lg, md, *rest):
+        lg.div_(md.temperature[:, None].clamp_min(1e-5))  # vLLM scales its input in place
+        return SimpleNamespace(sampled_token_ids=sampled.view(-1, 1), logprobs_tensors="stock")
+
+    temps = torch.tensor([0.7, 0.0, 1.3, 0.7])
+    md = SimpleNamespace(max_num_logprobs=2, logprob_token_ids=None, temperature=temps)
+    sampler = SimpleNamespace(logprobs_mode="processed_logprobs")
+    before = check.provenance_record()["executed"]["logp_calls"]
+    with _NoHostReads():
+        out = patches._make_sampler_forward(original)(sampler, logits.clone(), md)
+    lt = out.logprobs_tensors
+    ids, vals, ranks = lt.logprob_token_ids, lt.logprobs, lt.selected_token_ranks
+    assert ids.shape == (4, 3) and torch.equal(ids[:, 0].long(), sampled)
+    for i, t in enumerate([0.7, 1.0, 1.3, 0.7]):
+        ref = logp(logits[i : i + 1].expand(3, -1), ids[i].long(), t)
+        assert torch.equal(vals[i], ref)
+        assert int(ranks[i]) == 1 + int((logits[i] > logits[i, sampled[i]]).sum())
+    assert check.provenance_record()["executed"]["logp_calls"] == before + 1
+    # raw mode: every row at temperature 1
+    sampler.logprobs_mode = "raw_logprobs"
+    out = patches._make_sampler_forward(original)(sampler, logits.clone(), md)
+    vals = out.logprobs_tensors.logprobs
+    assert torch.equal(vals[:, 0], logp(logits, sampled, 1.0))
+
+
 def test_v2_add_request_reads_params_in_both_signatures(monkeypatch):
     from vllm import SamplingParams
 
@@ -269,4 +319,43 @@ def test_require_routing_raises_without_checked_model(clean, monkeypatch):
     with pytest.raises(adapter.RoutingMissingError, match="YaRN"):
         adapter.require_routing(_FakeLLM())
     monkeypatch.setattr(check, "_state", {**check._state, "models": [{"unroutable": []}]})
+    from rl_engine.registry import KernelRegistry
+
+    # a checked model whose forward never ran the routed ops (e.g. a stock compiled graph
+    # loaded from vLLM's compile cache): refused, naming the ops
+    monkeypatch.setattr(KernelRegistry, "_executed", {("det_gemm", "triton"): 3})
+    with pytest.raises(adapter.RoutingMissingError, match="never ran rl_engine's rms_norm"):
+        adapter.require_routing(_FakeLLM())
+    monkeypatch.setattr(KernelRegistry, "_executed", {(op, "native"): 1 for op in check.ROUTED_OPS})
     assert adapter.require_routing(_FakeLLM())[0]["applied"]
+
+
+def test_registry_counts_executions_in_op_bodies():
+    """The count rises when an op runs, eagerly and inside a compiled function (the custom op's
+    body runs at execution; tracing alone does not count)."""
+    from rl_engine.ops import silu_and_mul
+    from rl_engine.registry import KernelRegistry
+
+    x = torch.randn(4, 8)
+    before = KernelRegistry.executed().get("silu_and_mul", 0)
+    silu_and_mul(x)
+    assert KernelRegistry.executed()["silu_and_mul"] == before + 1
+    compiled = torch.compile(lambda t: silu_and_mul(t) * 2, backend="eager", fullgraph=True)
+    compiled(x)
+    compiled(x)
+    assert KernelRegistry.executed()["silu_and_mul"] == before + 3
+
+
+def test_compile_cache_key_includes_the_plugin(clean):
+    """vLLM keys its compile caches on ``VllmConfig.compute_hash`` (not on the code that ran):
+    with the plugin the hash differs from stock's, so neither loads the other's graph."""
+    from vllm.config import VllmConfig
+
+    cfg = VllmConfig()
+    stock = cfg.compute_hash()
+    adapter.apply()
+    routed = cfg.compute_hash()
+    assert routed != stock and len(routed) == len(stock)
+    assert cfg.compute_hash() == routed  # stable
+    adapter.remove()
+    assert cfg.compute_hash() == stock

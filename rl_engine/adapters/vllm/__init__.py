@@ -120,14 +120,23 @@ def _worker_routing(worker: Any) -> dict[str, Any]:
         models = check.provenance_record()["models"]
     except Exception as exc:  # the plugin's own import failing is exactly what to report
         return {"pid": os.getpid(), "applied": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"pid": os.getpid(), "applied": patches.is_patched(), "models": models}
+    from rl_engine.registry import KernelRegistry
+
+    return {
+        "pid": os.getpid(),
+        "applied": patches.is_patched(),
+        "models": models,
+        "executed_ops": KernelRegistry.executed(),
+    }
 
 
 def require_routing(llm: Any) -> list[dict[str, Any]]:
     """Raise unless every worker of ``llm`` (a ``vllm.LLM``) runs the rl_engine routing.
 
-    Checks, in each worker (through ``llm.collective_rpc``), that the patches are applied and
-    that the loaded model was checked with no unroutable layer (its sampler included). Call it
+    Checks, in each worker (through ``llm.collective_rpc``), that the patches are applied, that
+    the loaded model was checked with no unroutable layer (its sampler included), and that the
+    engine's forward (its warm-up / graph-capture runs) actually executed every routed op
+    (:data:`check.ROUTED_OPS`), so a compiled graph without them is caught. Call it
     once after building the ``LLM``, before trusting its log-probs: it catches the plugin being
     off in workers (``RL_ENGINE_VLLM`` not forwarded to Ray workers, a ``VLLM_PLUGINS`` list
     without ``rl_engine``), which vLLM itself never reports.
@@ -151,6 +160,19 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
             bad = info["models"][-1].get("unroutable") or []
             if bad:
                 problems.append(f"{who}: unroutable layers: {'; '.join(bad)}")
+            else:
+                from rl_engine.adapters.vllm.check import ROUTED_OPS
+
+                ran = info.get("executed_ops") or {}
+                never = [op for op in ROUTED_OPS if not ran.get(op)]
+                if never:
+                    problems.append(
+                        f"{who}: the engine's forward never ran rl_engine's {', '.join(never)} "
+                        "(its model runs a graph without them: e.g. a torch.compile artifact "
+                        "that vLLM loaded from its compile cache, built without the plugin; "
+                        "the plugin keys that cache on itself, so this means an old cache or a "
+                        "second patcher: clear VLLM_CACHE_ROOT/torch_compile_cache)"
+                    )
     if problems:
         raise RoutingMissingError(
             "rl_engine vLLM plugin is not routing every worker:\n  "

@@ -198,6 +198,7 @@ def provenance_record() -> dict[str, Any]:
         "models": models,
         "unrouted_uses": unrouted,
         "executed": executed,
+        "executed_ops": KernelRegistry.executed(),
         "routed": patches.is_patched(),
         "routed_samplers": patches.routed_samplers(),
         "registry": KernelRegistry.report(),

@@ -229,6 +229,7 @@ def layers() -> SimpleNamespace:
         Sampler=get("vllm.v1.sample.sampler", "Sampler"),
         InputBatch=get("vllm.v1.worker.gpu_input_batch", "InputBatch"),
         SamplerV2=v2_sampler_class(),
+        VllmConfig=get("vllm.config", "VllmConfig"),
     )
 
 

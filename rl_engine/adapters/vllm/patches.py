@@ -21,6 +21,11 @@ function carries ``_rl_engine_patched = True``):
   top-p / min-p / penalties / logit bias / allowed or bad words).
 * ``BaseModelLoader.load_model``: after loading, the model is checked (:mod:`.check`); in strict
   mode a layer that is not routed refuses the model; the registry provenance is written.
+* ``VllmConfig.compute_hash``: mixed with :func:`routing_tag`. vLLM keys its torch.compile
+  caches (the AOT-compiled model, Inductor artifacts) on that hash and the environment only, not
+  on the code that ran, so without this a plugin engine would load the graph compiled by an
+  earlier stock run of the same model and config (stock kernels, patches never called), and
+  vice versa. :func:`require_routing` also checks that every routed op executed.
 * The attention backend is swapped through vLLM's backend registry (:mod:`.attention`).
 
 Deliberately left alone: ``VocabParallelEmbedding.forward`` (a row gather, exact), the
@@ -224,49 +229,58 @@ def _temps_for(raw: list[float], mode: str) -> list[float]:
     return [1.0 if t < _SAMPLING_EPS else float(t) for t in raw]
 
 
-def _row_temperatures(logits: torch.Tensor, sampling_metadata: Any, mode: str) -> list[float]:
+def _device_temperatures(logits: torch.Tensor, sampling_metadata: Any, mode: str) -> torch.Tensor:
+    """fp32 ``[n]`` per-row temperatures on the logits' device, built there: no device->host
+    copy (a sync per step would stall vLLM's async scheduling). 1 in raw mode and greedy rows."""
     n = logits.shape[0]
-    if mode == "raw_logprobs" or sampling_metadata.temperature is None:
-        return [1.0] * n
-    # One small device->host copy per sampler call (the sampler runs eagerly, outside graphs).
-    return _temps_for(sampling_metadata.temperature[:n].tolist(), mode)
+    temp = sampling_metadata.temperature
+    ones = torch.ones(n, dtype=torch.float32, device=logits.device)
+    if mode == "raw_logprobs" or temp is None:
+        return ones
+    t = temp[:n].to(device=logits.device, dtype=torch.float32)
+    return torch.where(t < _SAMPLING_EPS, ones, t)
 
 
-def _logp_rows(logits: torch.Tensor, tokens: torch.Tensor, temps: list[float]) -> torch.Tensor:
-    """``logp(logits[i], tokens[i], temps[i])`` for every row; rows grouped by temperature."""
-    from rl_engine.ops import logp
-
-    if len(set(temps)) == 1:
-        return logp(logits, tokens, temps[0])
-    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
-    for temp in sorted(set(temps)):
-        rows = torch.tensor([i for i, t in enumerate(temps) if t == temp], device=logits.device)
-        out[rows] = logp(logits.index_select(0, rows), tokens.index_select(0, rows), temp)
-    return out
+def _host_temperatures(temps: list[float], device: torch.device) -> torch.Tensor:
+    """fp32 ``[n]`` temperatures from host values (one asynchronous host->device copy)."""
+    t = torch.tensor(temps, dtype=torch.float32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
-def rl_engine_logprobs(
-    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int, temps: list[float]
-):
-    """vLLM's ``LogprobsTensors`` (sampled token first, then the top ``num_logprobs``).
+def scaled_logits(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """``z = logits.float() / temps[:, None]``: a new fp32 tensor (IEEE division per element).
 
-    Every value is ``rl_engine.ops.logp(logits, token, temperature)``; the top-k tokens are the
-    largest logits of the row (the order of log-probs at any positive temperature); the rank of
-    the sampled token is ``1 + #(logits > logits[token])``, as vLLM counts it. Bumps the
-    executed-use counter of the routed log-prob path.
+    ``logp(z, token, 1.0)`` is bitwise ``logp(logits, token, t)`` for a row of temperature ``t``:
+    ``logp`` starts with exactly this division by the fp32 temperature, and dividing ``z`` by 1
+    is exact. So rows of mixed temperatures need one ``logp`` launch, and the result is a copy
+    that the sampler's in-place scaling cannot touch.
+    """
+    return logits.float() / temps[:, None]
+
+
+def rl_engine_logprobs(z: torch.Tensor, sampled: torch.Tensor, num_logprobs: int):
+    """vLLM's ``LogprobsTensors`` (sampled token first, then the top ``num_logprobs``) from the
+    scaled logits ``z`` (:func:`scaled_logits`).
+
+    Every value is ``rl_engine.ops.logp(logits, token, temperature)`` of the row; the top-k
+    tokens are the largest ``z`` of the row (the log-prob order); the rank of the sampled token
+    is ``1 + #(z > z[token])``, as vLLM counts it on its processed log-probs. Bumps the
+    executed-use counter of the routed log-prob path. Nothing here reads device data on the host.
     """
     from rl_engine.adapters.vllm import check, compat
+    from rl_engine.ops import logp
 
     sampled = sampled.long()
     cols = [sampled]
     if num_logprobs > 0:
-        cols.extend(torch.topk(logits.float(), num_logprobs, dim=-1).indices.unbind(1))
+        cols.extend(torch.topk(z, num_logprobs, dim=-1).indices.unbind(1))
     ids = torch.stack(cols, dim=1)
-    vals = torch.stack([_logp_rows(logits, c, temps) for c in cols], dim=1)
-    lf = logits.float()
-    chosen = lf.gather(1, sampled[:, None])
-    ranks = (lf > chosen).sum(-1) + 1
-    check.record_routed_logp(int(logits.shape[0]))
+    vals = torch.stack([logp(z, c, 1.0) for c in cols], dim=1)
+    chosen = z.gather(1, sampled[:, None])
+    ranks = (z > chosen).sum(-1) + 1
+    check.record_routed_logp(int(z.shape[0]))
     return compat.logprobs_tensors(ids.to(torch.int32), vals, ranks)
 
 
@@ -293,11 +307,10 @@ def _make_sampler_forward(original):
             raise _unsupported_logprobs(
                 "full-vocabulary log-probs (logprobs=-1) and logprob_token_ids"
             )
-        kept = logits.clone()  # the sampler scales its input in place
+        # before the sampler, which scales its input in place
+        z = scaled_logits(logits, _device_temperatures(logits, sampling_metadata, mode))
         out = original(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
-        sampled = out.sampled_token_ids[:, 0]
-        temps = _row_temperatures(kept, sampling_metadata, mode)
-        out.logprobs_tensors = rl_engine_logprobs(kept, sampled, num_logprobs, temps)
+        out.logprobs_tensors = rl_engine_logprobs(z, out.sampled_token_ids[:, 0], num_logprobs)
         return out
 
     return forward
@@ -322,11 +335,11 @@ def _make_sampler_v2_call(original):
                 "rl_engine vLLM plugin: log-probs of speculative-decoding batches (several "
                 "logit rows per request) are not routed"
             )
-        kept = logits.clone()
+        temps = _temps_for([float(t) for t in raw_temps], mode)  # host values (numpy)
+        z = scaled_logits(logits, _host_temperatures(temps, logits.device))
         out = original(self, logits, input_batch)
         sampled = out.sampled_token_ids.reshape(-1)
-        temps = _temps_for([float(t) for t in raw_temps], mode)
-        out.logprobs_tensors = rl_engine_logprobs(kept, sampled, max(num_logprobs, 0), temps)
+        out.logprobs_tensors = rl_engine_logprobs(z, sampled, max(num_logprobs, 0))
         return out
 
     return __call__
@@ -421,6 +434,44 @@ def _make_sampler_v2_add_request(original):
     return add_request
 
 
+# ------------------------------------------------------------------------------ compile cache
+_TAG: str | None = None
+
+
+def routing_tag() -> str:
+    """What a compiled vLLM graph with the plugin depends on: rl_engine's version, the plugin's
+    source (the patched forwards are inlined into the graph), the registry settings (they pick
+    the providers baked into the graph) and the vLLM version."""
+    global _TAG
+    if _TAG is None:
+        import hashlib
+        from pathlib import Path
+
+        import vllm
+
+        import rl_engine
+        from rl_engine import config
+
+        h = hashlib.sha256()
+        h.update(f"{getattr(rl_engine, '__version__', '?')}|{vllm.__version__}".encode())
+        for f in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+        h.update(repr(config.settings()).encode())
+        _TAG = h.hexdigest()[:16]
+    return _TAG
+
+
+def _make_compute_hash(original):
+    def compute_hash(self) -> str:
+        import hashlib
+
+        base = original(self)
+        mixed = hashlib.sha256(f"{base}|rl_engine:{routing_tag()}".encode()).hexdigest()
+        return mixed[: len(base)] if base else mixed
+
+    return compute_hash
+
+
 # ------------------------------------------------------------------------------------- loader
 def _make_load_model(original):
     def load_model(self, vllm_config, model_config, prefix=""):
@@ -452,6 +503,7 @@ def apply_layer_patches() -> None:
         _patch(lay.SamplerV2, "__call__", _make_sampler_v2_call)
         _patch(lay.SamplerV2, "add_request", _make_sampler_v2_add_request)
     _patch(lay.BaseModelLoader, "load_model", _make_load_model)
+    _patch(lay.VllmConfig, "compute_hash", _make_compute_hash)
 
 
 def routed_samplers() -> list[str]:
