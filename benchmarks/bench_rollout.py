@@ -7,7 +7,7 @@ A ~1B Qwen2-shaped bf16 model (16 layers, hidden 2048, 16/8 heads, FFN 5632, voc
 random weights written locally), 64 and 256 concurrent prompts of 128 tokens x 512 new tokens
 (``--quick``: 64 prompts x 256 tokens), T = 0.7, ``logprobs=0`` (the RL rollout asks for the
 sampled token's log-prob), ``logprobs_mode="processed_logprobs"``, CUDA graphs and torch.compile
-on for every configuration. Each configuration runs in its own subprocess (the plugin's patches
+on for every configuration, vLLM's engine core in its own process (its default). Each configuration runs in its own subprocess (the plugin's patches
 are process-global): engine start-up time (load + compile + graph capture), one warm-up
 generate, then the timed generates. Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
 start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
@@ -107,6 +107,7 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     import vllm
 
     res["vllm_version"] = vllm.__version__
+    res["engine_core_in_own_process"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
     if plugin:
         from rl_engine.adapters import vllm as adapter
 
@@ -173,9 +174,12 @@ def main() -> int:
     for name in configs:
         env = dict(os.environ)
         env.update(CONFIGS[name])
+        # vLLM's default: the engine core in its own process (scheduling and the model runner
+        # there, request handling here), as users run it. A profile needs it in this process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         if args.profile is not None:
             env["ROLLOUT_PROFILE"] = str(args.profile)
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         out = work / f"{name}.json"
         cmd = [

@@ -484,3 +484,64 @@ def test_plugin_on_equals_hf_adapter(env, tmp_path_factory, arch, dtype, tied):
             ref = ref[len(prompts[i]) - 1 :]
             got = torch.tensor([d[t] for d, t in zip(lps, tokens)], dtype=torch.float32)
             assert torch.equal(ref, got), f"seq {i}: max |d| {(ref - got).abs().max().item()}"
+
+
+_MP_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from rl_engine.adapters import vllm as adapter
+
+
+def main():
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              max_model_len=128, max_num_seqs=4, block_size=16,
+              kv_cache_memory_bytes=16 << 20, seed=0)
+    try:
+        adapter.require_routing(llm)  # no forward yet (no profiling run here): warns
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                           SamplingParams(max_tokens=4, temperature=0.7, logprobs=0, seed=1))
+        infos = adapter.require_routing(llm)  # verifies the executed ops
+        prov = adapter.provenance(llm)[0]
+        res = {"ok": True, "pid": infos[0]["pid"], "executed": prov["executed_ops"],
+               "n": len(out[0].outputs[0].logprobs)}
+    except adapter.RoutingMissingError as exc:
+        res = {"ok": False, "error": str(exc)}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process
+    main()
+"""
+
+
+@pytest.mark.parametrize("plugin", [True, False], ids=["plugin_on", "plugin_off"])
+def test_routing_checks_with_engine_core_in_own_process(llama_fp32, plugin, tmp_path):
+    """vLLM's default: the engine core in its own process. require_routing / provenance reach it
+    (by worker method name; a function would not be sent) and see the routed ops executed there;
+    with the plugin off in that process, require_routing raises instead of passing silently."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_LOGGING_LEVEL="ERROR")
+    env["RL_ENGINE_VLLM"] = "1" if plugin else "0"
+    script = tmp_path / "mp.py"
+    script.write_text(_MP_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), llama_fp32],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(lines[-1][len("RESULT ") :])
+    if plugin:
+        assert res["ok"], res
+        assert res["pid"] != os.getpid()
+        from rl_engine.adapters.vllm.check import ROUTED_OPS
+
+        assert all(res["executed"].get(op, 0) > 0 for op in ROUTED_OPS), res["executed"]
+        assert res["n"] == 4
+    else:
+        assert not res["ok"] and "RL_ENGINE_VLLM=1" in res["error"], res

@@ -105,7 +105,15 @@ def _worker_provenance(worker: Any) -> dict[str, Any]:
     from rl_engine.adapters.vllm import check
 
     check.write_provenance()
-    return check.provenance_record()
+    return _plain(check.provenance_record())
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` as plain JSON types (what vLLM's msgpack channel to the engine process carries;
+    e.g. ``torch.__version__`` is a ``TorchVersion``)."""
+    import json
+
+    return json.loads(json.dumps(obj, default=str))
 
 
 def _worker_routing(worker: Any) -> dict[str, Any]:
@@ -122,12 +130,14 @@ def _worker_routing(worker: Any) -> dict[str, Any]:
         return {"pid": os.getpid(), "applied": False, "error": f"{type(exc).__name__}: {exc}"}
     from rl_engine.registry import KernelRegistry
 
-    return {
-        "pid": os.getpid(),
-        "applied": patches.is_patched(),
-        "models": models,
-        "executed_ops": KernelRegistry.executed(),
-    }
+    return _plain(
+        {
+            "pid": os.getpid(),
+            "applied": patches.is_patched(),
+            "models": models,
+            "executed_ops": KernelRegistry.executed(),
+        }
+    )
 
 
 def require_routing(llm: Any) -> list[dict[str, Any]]:
@@ -135,8 +145,9 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
 
     Checks, in each worker (through ``llm.collective_rpc``), that the patches are applied, that
     the loaded model was checked with no unroutable layer (its sampler included), and that the
-    engine's forward (its warm-up / graph-capture runs) actually executed every routed op
-    (:data:`check.ROUTED_OPS`), so a compiled graph without them is caught. Call it
+    engine's forward actually executed every routed op (:data:`check.ROUTED_OPS`) once any
+    forward ran (vLLM's profiling / graph-capture runs at start do; a warning says when none
+    ran yet), so a compiled graph without them is caught. Call it
     once after building the ``LLM``, before trusting its log-probs: it catches the plugin being
     off in workers (``RL_ENGINE_VLLM`` not forwarded to Ray workers, a ``VLLM_PLUGINS`` list
     without ``rl_engine``), which vLLM itself never reports.
@@ -147,8 +158,9 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
     Raises:
         RoutingMissingError: naming each worker without routing and why.
     """
-    infos = llm.collective_rpc(_worker_routing)
-    problems = []
+    infos = _rpc(llm, "rl_engine_routing")
+    problems: list[str] = []
+    unverified: list[str] = []
     for i, info in enumerate(infos):
         who = f"worker {i} (pid {info.get('pid')})"
         if not info.get("applied"):
@@ -165,7 +177,12 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
 
                 ran = info.get("executed_ops") or {}
                 never = [op for op in ROUTED_OPS if not ran.get(op)]
-                if never:
+                if not ran.get("attention"):
+                    # no forward has run in that worker yet (an engine without a profiling
+                    # run, e.g. kv_cache_memory_bytes given and enforce_eager): nothing to
+                    # verify yet; said, not skipped silently
+                    unverified.append(who)
+                elif never:
                     problems.append(
                         f"{who}: the engine's forward never ran rl_engine's {', '.join(never)} "
                         "(its model runs a graph without them: e.g. a torch.compile artifact "
@@ -181,6 +198,12 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
             "workers (for Ray: runtime_env={'env_vars': {'RL_ENGINE_VLLM': '1'}}), and keep "
             "'rl_engine' in VLLM_PLUGINS if you set that list."
         )
+    if unverified:
+        logger.warning(
+            "rl_engine: %s ran no forward yet, so whether its model executes rl_engine's ops "
+            "is not verified; call require_routing(llm) again after the first generate",
+            ", ".join(unverified),
+        )
     return infos
 
 
@@ -192,4 +215,23 @@ def provenance(llm: Any) -> list[dict[str, Any]]:
     and the mode. Also (re)writes ``RL_ENGINE_PROVENANCE_DIR/vllm-<pid>.json`` in each worker
     when that folder is configured.
     """
-    return llm.collective_rpc(_worker_provenance)
+    return _rpc(llm, "rl_engine_provenance")
+
+
+def _rpc(llm: Any, method: str) -> list[Any]:
+    """``llm.collective_rpc(method)`` by name: the plugin adds ``rl_engine_routing`` and
+    ``rl_engine_provenance`` to vLLM's worker class in each process it is loaded in, so the
+    call works with the engine core in its own process (vLLM's default, where a function cannot
+    be sent without ``VLLM_ALLOW_INSECURE_SERIALIZATION``). A worker without the method is a
+    process without the plugin."""
+    try:
+        return llm.collective_rpc(method)
+    except (NotImplementedError, AttributeError) as exc:
+        if method not in str(exc):
+            raise
+        raise RoutingMissingError(
+            f"rl_engine vLLM plugin is not loaded in vLLM's engine process (its workers have no "
+            f"{method!r}): switch it on with RL_ENGINE_VLLM=1 in the environment of every vLLM "
+            "process (for Ray: runtime_env={'env_vars': {'RL_ENGINE_VLLM': '1'}}), and keep "
+            "'rl_engine' in VLLM_PLUGINS if you set that list"
+        ) from exc

@@ -230,6 +230,7 @@ def layers() -> SimpleNamespace:
         InputBatch=get("vllm.v1.worker.gpu_input_batch", "InputBatch"),
         SamplerV2=v2_sampler_class(),
         VllmConfig=get("vllm.config", "VllmConfig"),
+        WorkerBase=get("vllm.v1.worker.worker_base", "WorkerBase"),
     )
 
 

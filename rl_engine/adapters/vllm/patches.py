@@ -68,6 +68,16 @@ def _patch(
     setattr(owner, name, new)
 
 
+def _add_method(owner: type, name: str, fn: Callable[..., Any]) -> None:
+    """Add ``owner.name = fn`` (a new attribute; removed by :func:`unpatch_all`)."""
+    raw = owner.__dict__.get(name)
+    if raw is not None and getattr(raw, MARK, False):
+        return
+    setattr(fn, MARK, True)
+    _APPLIED.append((owner, name, name in owner.__dict__, raw))
+    setattr(owner, name, fn)
+
+
 def unpatch_all() -> None:
     """Restore every patched attribute (in reverse order)."""
     while _APPLIED:
@@ -504,6 +514,11 @@ def apply_layer_patches() -> None:
         _patch(lay.SamplerV2, "add_request", _make_sampler_v2_add_request)
     _patch(lay.BaseModelLoader, "load_model", _make_load_model)
     _patch(lay.VllmConfig, "compute_hash", _make_compute_hash)
+    # worker methods that require_routing / provenance call by name (collective_rpc)
+    from rl_engine.adapters import vllm as adapter
+
+    _add_method(lay.WorkerBase, "rl_engine_routing", adapter._worker_routing)
+    _add_method(lay.WorkerBase, "rl_engine_provenance", adapter._worker_provenance)
 
 
 def routed_samplers() -> list[str]:
