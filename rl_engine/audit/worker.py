@@ -22,12 +22,21 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from rl_engine.rl.engines import sampled_sequences, vllm_engine
 
+    device = cfg.get("device", "cpu")
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != device:
+        raise RuntimeError(
+            f"--device {device}: the vLLM installed here runs on {current_platform.device_type!r}"
+            " (install the vLLM build for the device you audit)"
+        )
     llm = vllm_engine(
         cfg["model"],
         dtype=cfg["dtype"],
         seed=cfg["seed"],
         max_num_seqs=cfg["batch_size"],
         max_model_len=cfg["max_model_len"],
+        eager=device == "cpu",  # on a GPU: CUDA graphs + torch.compile, as rollouts run
     )
     params = SamplingParams(
         temperature=cfg["temperature"],
@@ -50,7 +59,9 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     mb = cfg.get("micro_batch", 4)
     progress = _progress(len(full), f"trainer {cfg['trainer']}/{cfg['engine']}", cfg)
     trainer, engine = cfg["trainer"], cfg["engine"]
-    model = load_trainer(trainer, engine, cfg["model"], dtype=getattr(torch, cfg["dtype"]))
+    model = load_trainer(
+        trainer, engine, cfg["model"], dtype=getattr(torch, cfg["dtype"]), device=cfg.get("device")
+    )
     device = next(model.parameters()).device
     out: list[list[float]] = []
     for i in range(0, len(full), mb):

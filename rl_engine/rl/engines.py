@@ -47,8 +47,10 @@ def vllm_engine(
     max_model_len: int,
     max_num_batched_tokens: int | None = None,
     kv_cache_bytes: int = 256 * 1024 * 1024,
+    eager: bool = True,
 ) -> Any:
-    """An in-process ``vllm.LLM`` on a local folder (token-id prompts, no tokenizer), eager.
+    """An in-process ``vllm.LLM`` on a local folder (token-id prompts, no tokenizer); eager
+    unless ``eager=False`` (CUDA graphs and torch.compile, vLLM's defaults on a GPU).
 
     ``logprobs_mode="processed_logprobs"``: reported log-probs are those of the distribution
     actually sampled from (after temperature), which is what the trainer recomputes. The KV cache
@@ -61,7 +63,7 @@ def vllm_engine(
         model=model,
         skip_tokenizer_init=True,
         dtype=dtype,
-        enforce_eager=True,
+        enforce_eager=eager,
         max_num_seqs=max_num_seqs,
         seed=seed,
         logprobs_mode="processed_logprobs",

@@ -494,7 +494,7 @@ from rl_engine.adapters import vllm as adapter
 
 def main():
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=128, max_num_seqs=4, block_size=16,
+              max_model_len=128, max_num_seqs=4, block_size=32,
               kv_cache_memory_bytes=16 << 20, seed=0)
     try:
         adapter.require_routing(llm)  # no forward yet (no profiling run here): warns
