@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
@@ -89,6 +90,11 @@ def test_audit_gate_fails_on_mismatched_family(tmp_path):
         (["--prompts", "/no/such/file.jsonl"], "prompt file not found"),
         (["--max-tokens", "5000"], "exceeds the model's context"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device is visible",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
     ],
 )
 def test_audit_bad_input(tmp_path, extra, message):

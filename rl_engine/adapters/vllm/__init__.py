@@ -226,7 +226,7 @@ def _rpc(llm: Any, method: str) -> list[Any]:
     process without the plugin."""
     try:
         return llm.collective_rpc(method)
-    except (NotImplementedError, AttributeError) as exc:
+    except Exception as exc:  # in-process: NotImplementedError; worker processes: RuntimeError
         if method not in str(exc):
             raise
         raise RoutingMissingError(
