@@ -4,7 +4,8 @@ Custom ops: ``rl_engine::grpo_loss(logp, old_logp, advantages, mask, ref_logp, i
 <options>, provider) -> (loss, metrics)`` and ``rl_engine::grpo_loss_backward(grad, ...) ->
 d logp``. Options travel as floats / strings (``None`` becomes ``0.0`` for ``dual_clip`` and
 ``loss_norm``); the public :func:`grpo_loss` validates them, broadcasts per-sequence advantages /
-IS weights over T and builds the :class:`GRPOLoss` / :class:`GRPOMetrics` named tuples.
+IS weights over T (:func:`rl_engine.ops.grpo_loss.args.normalize`, the checks every provider
+runs too) and builds the :class:`GRPOLoss` / :class:`GRPOMetrics` named tuples.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.grpo_loss import reference
-from rl_engine.ops.grpo_loss.reference import AGG_MODES, METRIC_NAMES
+from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, normalize
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
 __all__ = ["AGG_MODES", "GRPOLoss", "GRPOMetrics", "grpo_loss"]
@@ -83,29 +84,16 @@ def _grpo_loss_op(
     log_ratio_clamp: float,
     provider: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return KernelRegistry.provider("grpo_loss", provider).fn(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        kl_beta,
-        log_ratio_clamp,
+    opts = Options(
+        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
     )
+    fn = KernelRegistry.provider("grpo_loss", provider).fn
+    return fn(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts)
 
 
 @_grpo_loss_op.register_fake
 def _(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts_and_provider):
-    reference._check(
-        logp, old_logp, advantages, mask, ref_logp, is_weights, *opts_and_provider[:-1]
-    )
+    check((logp, old_logp, advantages, mask, ref_logp, is_weights), opts_and_provider[:-1])
     return (
         logp.new_empty((), dtype=torch.float32),
         logp.new_empty((len(METRIC_NAMES),), dtype=torch.float32),
@@ -131,23 +119,11 @@ def _grpo_loss_backward_op(
     log_ratio_clamp: float,
     provider: str,
 ) -> torch.Tensor:
-    return KernelRegistry.provider("grpo_loss", provider).extras["backward"](
-        grad,
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        kl_beta,
-        log_ratio_clamp,
+    opts = Options(
+        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
     )
+    backward = KernelRegistry.provider("grpo_loss", provider).extras["backward"]
+    return backward(grad, logp, old_logp, advantages, mask, ref_logp, is_weights, *opts)
 
 
 @_grpo_loss_backward_op.register_fake
@@ -171,21 +147,6 @@ def _backward(ctx, grad, _grad_metrics):
 _grpo_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _per_token(name: str, x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """[B, T] as is; a per-sequence [B] tensor broadcast over T."""
-    if x is None:
-        return None
-    check_tensor(name, x, dims=(1, 2))
-    if x.dim() == 1:
-        if x.shape[0] != like.shape[0]:
-            raise ValueError(
-                f"grpo_loss: {name} has shape {tuple(x.shape)}; expected [B] or [B, T] with "
-                f"[B, T] = {tuple(like.shape)}"
-            )
-        return x[:, None].expand(like.shape)
-    return x
-
-
 def _entry(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -204,46 +165,11 @@ def _entry(
     log_ratio_clamp: float = 20.0,
     provider: str,
 ) -> GRPOLoss:
-    check_tensor("logp", logp, dims=2)
-    advantages = _per_token("advantages", advantages, logp)
-    rollout_is_weights = _per_token("rollout_is_weights", rollout_is_weights, logp)
-    if mask is None:
-        mask = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
-    else:
-        check_tensor("mask", mask, dims=2)
-        if mask.dtype != torch.bool:
-            mask = mask != 0
-    if dual_clip is not None and float(dual_clip) == 0.0:
-        raise ValueError("grpo_loss: dual_clip must be None or a finite c > 1, got 0")
-    if loss_norm is not None and float(loss_norm) == 0.0:
-        raise ValueError("grpo_loss: loss_norm must be None or finite and > 0, got 0")
-    if torch.is_grad_enabled():
-        named = {
-            "old_logp": old_logp,
-            "advantages": advantages,
-            "ref_logp": ref_logp,
-            "rollout_is_weights": rollout_is_weights,
-        }
-        for name, t in named.items():
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise ValueError(
-                    f"grpo_loss differentiates wrt logp only; {name} requires grad: pass "
-                    f"{name}.detach()"
-                )
-    opts = (
-        float(clip_low),
-        float(clip_high),
-        0.0 if dual_clip is None else float(dual_clip),
-        ratio_type,
-        loss_agg,
-        0.0 if loss_norm is None else float(loss_norm),
-        float(kl_beta),
-        float(log_ratio_clamp),
+    tensors, opts = normalize(
+        (logp, old_logp, advantages, mask, ref_logp, rollout_is_weights),
+        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
     )
-    reference._check(logp, old_logp, advantages, mask, ref_logp, rollout_is_weights, *opts)
-    loss, metrics = _grpo_loss_op(
-        logp, old_logp, advantages, mask, ref_logp, rollout_is_weights, *opts, provider
-    )
+    loss, metrics = _grpo_loss_op(*tensors, *opts, provider)
     return GRPOLoss(loss, GRPOMetrics(*metrics.unbind(0)))
 
 

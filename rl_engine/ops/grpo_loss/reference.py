@@ -40,130 +40,18 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _math
-from rl_engine.ops._common import (
-    FLOAT_DTYPES,
-    check_float,
-    check_same_device,
-    check_tensor,
-    tree_sum,
-)
+from rl_engine.ops._common import tree_sum
+from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
 
 __all__ = ["AGG_MODES", "METRIC_NAMES", "grpo_loss", "grpo_loss_backward"]
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-RATIO_TYPES = ("token", "sequence")
-
-# Order of the metrics vector the op returns.
-METRIC_NAMES = (
-    "pg_loss",
-    "kl_loss",
-    "clip_frac",
-    "clip_frac_low",
-    "clip_frac_high",
-    "dual_clip_frac",
-    "ppo_kl",
-    "approx_kl",
-    "approx_kl_k2",
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
-    "num_tokens",
-    "num_seqs",
-)
-
-
-def _check(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-) -> None:
-    check_tensor("logp", logp, dims=2)
-    check_tensor("mask", mask, dims=2)
-    named = {
-        "old_logp": old_logp,
-        "advantages": advantages,
-        "ref_logp": ref_logp,
-        "rollout_is_weights": is_weights,
-    }
-    for name, t in named.items():
-        if t is not None or name in ("old_logp", "advantages"):
-            check_tensor(name, t, dims=2)
-    check_same_device(
-        logp=logp,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=mask,
-        ref_logp=ref_logp,
-        rollout_is_weights=is_weights,
-    )
-    check_float("logp", logp, FLOAT_DTYPES)
-    for name, t in named.items():
-        if t is None:
-            continue
-        check_float(name, t, FLOAT_DTYPES)
-        if t.shape != logp.shape:
-            raise ValueError(
-                f"grpo_loss: {name} has shape {tuple(t.shape)}, logp {tuple(logp.shape)}"
-            )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"grpo_loss: the op takes a bool mask, got {mask.dtype}")
-    if mask.shape != logp.shape:
-        raise ValueError(f"grpo_loss: mask has shape {tuple(mask.shape)}, logp {tuple(logp.shape)}")
-    if not (0.0 <= clip_low < 1.0):
-        raise ValueError(f"grpo_loss: clip_low must be in [0, 1), got {clip_low}")
-    if not (0.0 <= clip_high < float("inf")):
-        raise ValueError(f"grpo_loss: clip_high must be finite and >= 0, got {clip_high}")
-    if dual_clip != 0.0 and not (1.0 < dual_clip < float("inf")):
-        raise ValueError(f"grpo_loss: dual_clip must be None or a finite c > 1, got {dual_clip}")
-    if ratio_type not in RATIO_TYPES:
-        raise ValueError(
-            f"grpo_loss: ratio_type must be one of {list(RATIO_TYPES)}, got {ratio_type!r}"
-        )
-    if loss_agg not in AGG_MODES:
-        raise ValueError(f"grpo_loss: loss_agg must be one of {list(AGG_MODES)}, got {loss_agg!r}")
-    if loss_norm != 0.0 and not (0.0 < loss_norm < float("inf")):
-        raise ValueError(f"grpo_loss: loss_norm must be None or finite and > 0, got {loss_norm}")
-    if not (0.0 <= kl_beta < float("inf")):
-        raise ValueError(f"grpo_loss: kl_beta must be finite and >= 0, got {kl_beta}")
-    if kl_beta != 0.0 and ref_logp is None:
-        raise ValueError("grpo_loss: kl_beta > 0 needs ref_logp")
-    if not (0.0 < log_ratio_clamp < float("inf")):
-        raise ValueError(
-            f"grpo_loss: log_ratio_clamp must be finite and > 0, got {log_ratio_clamp}"
-        )
 
 
 class _Terms:
     """Per-token quantities shared by the forward and the backward (computed identically)."""
 
-    def __init__(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        is_weights: torch.Tensor | None,
-        clip_low: float,
-        clip_high: float,
-        dual_clip: float,
-        ratio_type: str,
-        loss_agg: str,
-        loss_norm: float,
-        log_ratio_clamp: float,
-    ) -> None:
-        c = log_ratio_clamp
+    def __init__(self, tensors: tuple[torch.Tensor | None, ...], o: Options) -> None:
+        logp, old_logp, advantages, mask, ref_logp, is_weights = tensors
+        c = o.log_ratio_clamp
         zero = torch.zeros((), dtype=torch.float32, device=logp.device)
         self.m = mask.to(torch.float32)
         lp = torch.where(mask, logp.float(), zero)
@@ -171,7 +59,7 @@ class _Terms:
         self.tok_lr = raw.clamp(-c, c)
         self.n = tree_sum(self.m, dim=-1)  # [B] exact counts (fp32, exact below 2**24)
         n1 = self.n.clamp_min(1.0)
-        if ratio_type == "token":
+        if o.ratio_type == "token":
             lr, inr = self.tok_lr, (raw >= -c) & (raw <= c)
         else:
             s = tree_sum(raw, dim=-1) / n1
@@ -182,11 +70,11 @@ class _Terms:
         a = torch.where(mask, advantages.float(), zero)
         self.a = a
         pg1 = -a * self.r
-        pg2 = -a * self.r.clamp(1.0 - clip_low, 1.0 + clip_high)
+        pg2 = -a * self.r.clamp(1.0 - o.clip_low, 1.0 + o.clip_high)
         self.clipped = pg2 > pg1
         pg = torch.where(self.clipped, pg2, pg1)
-        if dual_clip != 0.0:
-            pg3 = -a * dual_clip
+        if o.dual_clip != 0.0:
+            pg3 = -a * o.dual_clip
             self.dual = (a < 0) & (pg > pg3)
             pg = torch.where(self.dual, pg3, pg)
         else:
@@ -209,14 +97,16 @@ class _Terms:
         nseq = tree_sum((self.n > 0).float(), dim=-1)
         self.nseq = nseq
         self.ntok = tree_sum(self.n, dim=-1)
-        if loss_agg == "token-mean":
+        if o.loss_agg == "token-mean":
             default = self.ntok.clamp_min(1.0)
-        elif loss_agg == "seq-mean-token-sum-norm":
+        elif o.loss_agg == "seq-mean-token-sum-norm":
             default = torch.full((), float(raw.shape[1]), device=raw.device)
         else:
             default = nseq.clamp_min(1.0)
-        self.denom = default if loss_norm == 0.0 else torch.full((), loss_norm, device=raw.device)
-        self.per_seq_mean = loss_agg == "seq-mean-token-mean"
+        self.denom = (
+            default if o.loss_norm == 0.0 else torch.full((), o.loss_norm, device=raw.device)
+        )
+        self.per_seq_mean = per_seq_mean(o.loss_agg)
         self.n1 = n1
 
     def aggregate(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,37 +160,12 @@ def grpo_loss(
     Returns:
         ``(loss, metrics)``: fp32 scalar and fp32 [len(METRIC_NAMES)] in that order.
     """
-    _check(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        kl_beta,
-        log_ratio_clamp,
+    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
+    o = check(
+        tensors,
+        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
     )
-    t = _Terms(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        log_ratio_clamp,
-    )
+    t = _Terms(tensors, o)
     pg_loss = t.aggregate(t.pg)
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     kl_loss = t.aggregate(t.kl) if t.kl is not None else zero
@@ -361,21 +226,11 @@ def grpo_loss_backward(
     Elementwise in the tokens given the scalar denominator D (and ``n_b`` for
     seq-mean-token-mean): ``grad * c_bt * (dpg_bt + kl_beta * dkl_bt)`` in fp32, one rounding.
     """
-    t = _Terms(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        log_ratio_clamp,
+    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
+    o = Options(
+        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
     )
+    t = _Terms(tensors, o)
     d = t.dpg
     if kl_beta != 0.0 and t.dkl is not None:
         d = d + kl_beta * t.dkl

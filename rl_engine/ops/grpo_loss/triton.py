@@ -32,7 +32,7 @@ import torch
 
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
-from rl_engine.ops.grpo_loss.reference import AGG_MODES, METRIC_NAMES, _check
+from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
 from rl_engine.ops.ratio_kl import triton as _rk
 from rl_engine.registry import Provider
 
@@ -505,15 +505,61 @@ def _launch_reduce(part, out, b, nt, t, loss_agg, loss_norm, counts_only, stats)
         )
 
 
-def _common_args(logp, old_logp, advantages, m8, ref_logp, is_weights) -> list[Any]:
-    return [
-        *_strides(logp),
-        *_strides(old_logp),
-        *_strides(advantages),
-        *_strides(m8),
-        *_strides(ref_logp),
-        *_strides(is_weights),
-    ]
+def _launch_tokens(
+    name: str,
+    lead: tuple[torch.Tensor, ...],
+    tensors: tuple[torch.Tensor | None, ...],
+    m8: torch.Tensor,
+    pre: torch.Tensor,
+    out: torch.Tensor,
+    o: Options,
+    scalars: tuple[float, ...],
+    **constexprs: Any,
+) -> None:
+    """Launch the token kernel ``name`` (forward or backward) on a (row blocks, T tiles) grid.
+
+    Arguments, in order: the ``lead`` pointers, the six inputs (``logp`` in place of an absent
+    one), ``pre``, ``out``, the sizes, the inputs' strides, the options' scalars and ``scalars``;
+    then the options' constexprs, the launch constants and ``constexprs``."""
+    logp, old_logp, advantages, _, ref_logp, is_weights = tensors
+    b, t = logp.shape
+    dev = logp.device
+    nt = _tr.cdiv(t, BLOCK_T)
+    with _rk._guard(logp):
+        rows = _rk.rows_per_program(dev)
+        _kernel(name, dev)[(_tr.cdiv(b, rows), nt)](
+            *lead,
+            logp,
+            old_logp,
+            advantages,
+            m8,
+            ref_logp if ref_logp is not None else logp,
+            is_weights if is_weights is not None else logp,
+            pre,
+            out,
+            b,
+            t,
+            nt,
+            *_strides(logp),
+            *_strides(old_logp),
+            *_strides(advantages),
+            *_strides(m8),
+            *_strides(ref_logp),
+            *_strides(is_weights),
+            float(o.log_ratio_clamp),
+            1.0 - float(o.clip_low),
+            1.0 + float(o.clip_high),
+            float(o.dual_clip),
+            *scalars,
+            SEQ_RATIO=o.ratio_type == "sequence",
+            HAS_DUAL=o.dual_clip != 0.0,
+            HAS_REF=ref_logp is not None,
+            HAS_W=is_weights is not None,
+            ROWS=rows,
+            BLOCK=BLOCK_T,
+            num_warps=_NUM_WARPS,
+            **constexprs,
+        )
 
 
 def grpo_loss(
@@ -545,60 +591,21 @@ def grpo_loss(
     Returns:
         ``(loss, metrics)``: fp32 scalar and fp32 [len(METRIC_NAMES)].
     """
-    _check(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        clip_low,
-        clip_high,
-        dual_clip,
-        ratio_type,
-        loss_agg,
-        loss_norm,
-        kl_beta,
-        log_ratio_clamp,
+    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
+    o = check(
+        tensors,
+        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
     )
     _rk._check_device(logp, "grpo_loss")
     b, t = logp.shape
     dev = logp.device
     nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
-    seq_ratio = ratio_type == "sequence"
-    pre = _prepass(logp, old_logp, m8, nt) if seq_ratio else None
+    pre = _prepass(logp, old_logp, m8, nt) if ratio_type == "sequence" else None
     part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
     if b > 0 and nt > 0:
-        with _rk._guard(logp):
-            rows = _rk.rows_per_program(dev)
-            _kernel("_grpo_fwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
-                logp,
-                old_logp,
-                advantages,
-                m8,
-                ref_logp if ref_logp is not None else logp,
-                is_weights if is_weights is not None else logp,
-                pre if pre is not None else part,
-                part,
-                b,
-                t,
-                nt,
-                *_common_args(logp, old_logp, advantages, m8, ref_logp, is_weights),
-                float(log_ratio_clamp),
-                1.0 - float(clip_low),
-                1.0 + float(clip_high),
-                float(dual_clip),
-                SEQ_RATIO=seq_ratio,
-                HAS_DUAL=dual_clip != 0.0,
-                HAS_REF=ref_logp is not None,
-                HAS_W=is_weights is not None,
-                STATS=_STATS,
-                ROWS=rows,
-                BLOCK=BLOCK_T,
-                LOG_BLOCK=_LOG_BLOCK_T,
-                num_warps=_NUM_WARPS,
-            )
+        fwd = ("_grpo_fwd_kernel", (), tensors, m8, pre if pre is not None else part, part)
+        _launch_tokens(*fwd, o, (), STATS=_STATS, LOG_BLOCK=_LOG_BLOCK_T)
     metrics = torch.empty((len(METRIC_NAMES),), dtype=torch.float32, device=dev)
     _launch_reduce(part, metrics, b, nt, t, loss_agg, loss_norm, False, _STATS)
     # the reference's expression, on the metric scalars
@@ -637,49 +644,28 @@ def grpo_loss_backward(
     nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
     seq_ratio = ratio_type == "sequence"
-    per_seq_mean = loss_agg == "seq-mean-token-mean"
+    seq_mean = per_seq_mean(loss_agg)
     denom_from_ptr = loss_norm == 0.0 and loss_agg != "seq-mean-token-sum-norm"
-    need_pre = seq_ratio or per_seq_mean or denom_from_ptr
+    need_pre = seq_ratio or seq_mean or denom_from_ptr
     pre = _prepass(logp, old_logp, m8, nt) if need_pre else None
     denom = torch.ones((1,), dtype=torch.float32, device=dev)
     if denom_from_ptr:
         _launch_reduce(pre, denom, b, nt, t, loss_agg, 0.0, True, 2)
     denom_const = float(loss_norm) if loss_norm != 0.0 else float(t)
     g = grad.to(torch.float32).reshape(1)
-    rows = _rk.rows_per_program(dev)
-    with _rk._guard(logp):
-        _kernel("_grpo_bwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
-            g,
-            denom,
-            logp,
-            old_logp,
-            advantages,
-            m8,
-            ref_logp if ref_logp is not None else logp,
-            is_weights if is_weights is not None else logp,
-            pre if pre is not None else denom,
-            d_logp,
-            b,
-            t,
-            nt,
-            *_common_args(logp, old_logp, advantages, m8, ref_logp, is_weights),
-            float(log_ratio_clamp),
-            1.0 - float(clip_low),
-            1.0 + float(clip_high),
-            float(dual_clip),
-            float(kl_beta),
-            denom_const,
-            SEQ_RATIO=seq_ratio,
-            HAS_DUAL=dual_clip != 0.0,
-            HAS_REF=ref_logp is not None,
-            HAS_W=is_weights is not None,
-            KL_TERM=kl_beta != 0.0 and ref_logp is not None,
-            PER_SEQ_MEAN=per_seq_mean,
-            DENOM_FROM_PTR=denom_from_ptr,
-            ROWS=rows,
-            BLOCK=BLOCK_T,
-            num_warps=_NUM_WARPS,
-        )
+    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
+    o = Options(
+        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
+    )
+    bwd = ("_grpo_bwd_kernel", (g, denom), tensors, m8, pre if pre is not None else denom, d_logp)
+    _launch_tokens(
+        *bwd,
+        o,
+        (float(kl_beta), denom_const),
+        KL_TERM=kl_beta != 0.0 and ref_logp is not None,
+        PER_SEQ_MEAN=seq_mean,
+        DENOM_FROM_PTR=denom_from_ptr,
+    )
     return d_logp
 
 

@@ -4,23 +4,22 @@ Custom ops: ``rl_engine::ratio_kl(logp, old_logp, mask, <options as floats>, pro
 outputs, see :func:`rl_engine.ops.ratio_kl.reference.ratio_kl`) and
 ``rl_engine::ratio_kl_backward(...)`` (its gradients). The public :func:`ratio_kl` validates the
 options, turns ``None`` into the neutral values of the schema (caps ``inf``, masked-IS ranges
-``[0, inf]``) and returns a :class:`RatioKL` named tuple.
+``[0, inf]``; :func:`rl_engine.ops.ratio_kl.args.normalize`, the checks every provider runs too)
+and returns a :class:`RatioKL` named tuple.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.ratio_kl import reference
+from rl_engine.ops.ratio_kl.args import check, normalize
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
 __all__ = ["RatioKL", "ratio_kl"]
-
-_SEQ_MODES = ("sum", "mean")
 
 
 class RatioKL(NamedTuple):
@@ -100,7 +99,7 @@ def _ratio_kl_op(
 
 @_ratio_kl_op.register_fake
 def _(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi, geo, provider):
-    reference._check(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi)
+    check(logp, old_logp, mask, (log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi))
     b, t = logp.shape
     tok = [logp.new_empty((b, t), dtype=torch.float32) for _ in range(6)]
     seq = [logp.new_empty((b,), dtype=torch.float32) for _ in range(3)]
@@ -189,33 +188,6 @@ def _backward(ctx, *grads):
 _ratio_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _options(
-    log_ratio_clamp: float,
-    token_is_cap: float | None,
-    seq_is_cap: float | None,
-    token_mis: tuple[float, float] | None,
-    seq_mis: tuple[float, float] | None,
-    seq_mode: str,
-) -> tuple[float, float, float, float, float, float, float, bool]:
-    if seq_mode not in _SEQ_MODES:
-        raise ValueError(f"ratio_kl: seq_mode must be one of {list(_SEQ_MODES)}, got {seq_mode!r}")
-    for name, rng in (("token_mis", token_mis), ("seq_mis", seq_mis)):
-        if rng is not None and (not isinstance(rng, (tuple, list)) or len(rng) != 2):
-            raise ValueError(f"ratio_kl: {name} must be None or a (low, high) pair, got {rng!r}")
-    tlo, thi = (0.0, math.inf) if token_mis is None else (float(token_mis[0]), float(token_mis[1]))
-    slo, shi = (0.0, math.inf) if seq_mis is None else (float(seq_mis[0]), float(seq_mis[1]))
-    return (
-        float(log_ratio_clamp),
-        math.inf if token_is_cap is None else float(token_is_cap),
-        math.inf if seq_is_cap is None else float(seq_is_cap),
-        tlo,
-        thi,
-        slo,
-        shi,
-        seq_mode == "mean",
-    )
-
-
 def _entry(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -229,12 +201,8 @@ def _entry(
     seq_mode: str = "sum",
     provider: str,
 ) -> RatioKL:
-    opts = _options(log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
-    if mask is not None:
-        check_tensor("mask", mask)
-        if mask.dtype != torch.bool:
-            mask = mask != 0
-    reference._check(logp, old_logp, mask, *opts[:7])
+    public = (log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
+    mask, opts = normalize(logp, old_logp, mask, public)
     return RatioKL(*_ratio_kl_op(logp, old_logp, mask, *opts, provider))
 
 

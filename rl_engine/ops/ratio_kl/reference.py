@@ -38,59 +38,10 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _math
-from rl_engine.ops._common import (
-    FLOAT_DTYPES,
-    check_float,
-    check_same_device,
-    check_tensor,
-    tree_sum,
-)
+from rl_engine.ops._common import tree_sum
+from rl_engine.ops.ratio_kl.args import check
 
 __all__ = ["ratio_kl", "ratio_kl_backward"]
-
-
-def _check(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None,
-    log_ratio_clamp: float,
-    token_cap: float,
-    seq_cap: float,
-    token_mis_lo: float,
-    token_mis_hi: float,
-    seq_mis_lo: float,
-    seq_mis_hi: float,
-) -> None:
-    check_tensor("logp", logp, dims=2)
-    check_tensor("old_logp", old_logp, dims=2)
-    check_float("logp", logp, FLOAT_DTYPES)
-    check_float("old_logp", old_logp, FLOAT_DTYPES)
-    check_same_device(logp=logp, old_logp=old_logp, mask=mask)
-    if old_logp.shape != logp.shape:
-        raise ValueError(
-            f"ratio_kl: old_logp has shape {tuple(old_logp.shape)}, logp {tuple(logp.shape)}"
-        )
-    if mask is not None:
-        check_tensor("mask", mask, dims=2)
-        if mask.dtype != torch.bool:
-            raise TypeError(f"ratio_kl: the op takes a bool mask, got {mask.dtype}")
-        if mask.shape != logp.shape:
-            raise ValueError(
-                f"ratio_kl: mask has shape {tuple(mask.shape)}, logp {tuple(logp.shape)}"
-            )
-    if not (0.0 < log_ratio_clamp < float("inf")):
-        raise ValueError(f"ratio_kl: log_ratio_clamp must be finite and > 0, got {log_ratio_clamp}")
-    for name, cap in (("token_is_cap", token_cap), ("seq_is_cap", seq_cap)):
-        if not cap > 0.0:  # also refuses NaN
-            raise ValueError(f"ratio_kl: {name} must be > 0 (or None), got {cap}")
-    for name, lo, hi in (
-        ("token_mis", token_mis_lo, token_mis_hi),
-        ("seq_mis", seq_mis_lo, seq_mis_hi),
-    ):
-        if not (0.0 <= lo < hi):
-            raise ValueError(
-                f"ratio_kl: {name} must be (low, high) with 0 <= low < high, got ({lo}, {hi})"
-            )
 
 
 def _mask_f32(logp: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -152,18 +103,8 @@ def ratio_kl(
         ``(log_ratio, ratio, k1, k2, k3, token_weight, token_keep, seq_log_ratio, seq_ratio,
         seq_weight, seq_keep)``: [B, T] fp32 x 6, [B, T] bool, [B] fp32 x 3, [B] bool.
     """
-    _check(
-        logp,
-        old_logp,
-        mask,
-        log_ratio_clamp,
-        token_cap,
-        seq_cap,
-        token_mis_lo,
-        token_mis_hi,
-        seq_mis_lo,
-        seq_mis_hi,
-    )
+    lim = (log_ratio_clamp, token_cap, seq_cap, token_mis_lo, token_mis_hi, seq_mis_lo, seq_mis_hi)
+    check(logp, old_logp, mask, lim)
     m = _mask_f32(logp, mask)
     keep = m != 0
     lr, _ = masked_log_ratio(logp, old_logp, m, log_ratio_clamp)

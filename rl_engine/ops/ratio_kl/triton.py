@@ -33,7 +33,7 @@ import torch
 
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
-from rl_engine.ops.ratio_kl.reference import _check
+from rl_engine.ops.ratio_kl.args import check
 from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
@@ -309,11 +309,18 @@ def rows_per_program(device: torch.device) -> int:
 _guard = _tr.device_guard
 
 
-def _mask_arg(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _inputs(
+    logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The token kernels' inputs ``(logp, old_logp, mask as uint8 or logp)`` and their strides
+    (0 for an absent mask)."""
     if mask is None:
-        return like, 0, 0
-    m = mask.view(torch.uint8)
-    return m, m.stride(0), m.stride(1)
+        m, s_mb, s_mt = logp, 0, 0
+    else:
+        m = mask.view(torch.uint8)
+        s_mb, s_mt = m.stride(0), m.stride(1)
+    strides = (logp.stride(0), logp.stride(1), old_logp.stride(0), old_logp.stride(1), s_mb, s_mt)
+    return (logp, old_logp, m), strides
 
 
 def _partials(
@@ -330,26 +337,19 @@ def _partials(
     part = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
     if b == 0 or nt == 0:
         return part
-    m, s_mb, s_mt = _mask_arg(mask, logp)
+    inputs, strides = _inputs(logp, old_logp, mask)
     dummy = part
     o = outs if outs is not None else (dummy,) * 7
     with _guard(logp):
         rows = rows_per_program(logp.device)
         _kernel("_ratio_kl_tile_kernel", logp.device)[(_tr.cdiv(b, rows), nt)](
-            logp,
-            old_logp,
-            m,
+            *inputs,
             *o,
             part,
             b,
             t,
             nt,
-            logp.stride(0),
-            logp.stride(1),
-            old_logp.stride(0),
-            old_logp.stride(1),
-            s_mb,
-            s_mt,
+            *strides,
             clamp,
             *opts,
             HAS_MASK=mask is not None,
@@ -360,6 +360,45 @@ def _partials(
             num_warps=_NUM_WARPS,
         )
     return part
+
+
+def _launch_seq(
+    part: torch.Tensor,
+    b: int,
+    nt: int,
+    clamp: float,
+    geometric: bool,
+    outs: tuple[torch.Tensor, ...] | None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    opts: tuple[float, float, float],
+) -> None:
+    """Launch the per-sequence kernel on the tile partials ``part``: the forward writes ``outs``
+    (seq_log_ratio, seq_ratio, seq_weight, seq_keep; ``opts`` = seq cap and masked-IS range),
+    the backward ``grads`` = (g_seq_log_ratio, g_seq_ratio) into their ``gseq`` term."""
+    if grads is None:
+        gsl, gsr, gseq = part, part, part
+        s_gsl, s_gsr = 0, 0
+    else:
+        gsl, gsr, gseq = grads
+        s_gsl, s_gsr = gsl.stride(0), gsr.stride(0)
+    with _guard(part):
+        _kernel("_ratio_kl_seq_kernel", part.device)[(_tr.cdiv(b, _BLOCK_B),)](
+            part,
+            b,
+            nt,
+            *(outs if outs is not None else (part,) * 4),
+            gsl,
+            gsr,
+            s_gsl,
+            s_gsr,
+            gseq,
+            clamp,
+            *opts,
+            GEOMETRIC=bool(geometric),
+            BWD=grads is not None,
+            BLOCK_B=_BLOCK_B,
+            num_warps=_NUM_WARPS,
+        )
 
 
 def ratio_kl(
@@ -388,18 +427,8 @@ def ratio_kl(
         ``(log_ratio, ratio, k1, k2, k3, token_weight, token_keep, seq_log_ratio, seq_ratio,
         seq_weight, seq_keep)``: [B, T] fp32 x 6, [B, T] bool, [B] fp32 x 3, [B] bool.
     """
-    _check(
-        logp,
-        old_logp,
-        mask,
-        log_ratio_clamp,
-        token_cap,
-        seq_cap,
-        token_mis_lo,
-        token_mis_hi,
-        seq_mis_lo,
-        seq_mis_hi,
-    )
+    lim = (log_ratio_clamp, token_cap, seq_cap, token_mis_lo, token_mis_hi, seq_mis_lo, seq_mis_hi)
+    check(logp, old_logp, mask, lim)
     _check_device(logp)
     b, t = logp.shape
     dev = logp.device
@@ -417,27 +446,9 @@ def ratio_kl(
             (*tok, tok_keep),
             (float(token_cap), float(token_mis_lo), float(token_mis_hi)),
         )
-        with _guard(logp):
-            _kernel("_ratio_kl_seq_kernel", dev)[(_tr.cdiv(b, _BLOCK_B),)](
-                part,
-                b,
-                _tr.cdiv(t, BLOCK_T),
-                *seq,
-                seq_keep,
-                part,
-                part,
-                0,
-                0,
-                part,
-                clamp,
-                float(seq_cap),
-                float(seq_mis_lo),
-                float(seq_mis_hi),
-                GEOMETRIC=bool(geometric),
-                BWD=False,
-                BLOCK_B=_BLOCK_B,
-                num_warps=_NUM_WARPS,
-            )
+        seq_opts = (float(seq_cap), float(seq_mis_lo), float(seq_mis_hi))
+        nt = _tr.cdiv(t, BLOCK_T)
+        _launch_seq(part, b, nt, clamp, geometric, (*seq, seq_keep), None, seq_opts)
     return (
         *tok,
         tok_keep.view(torch.bool),
@@ -482,49 +493,21 @@ def ratio_kl_backward(
     gseq = torch.empty((b,), dtype=torch.float32, device=dev)
     gsl, gsr = g_seq_log_ratio.float(), g_seq_ratio.float()
     nt = _tr.cdiv(t, BLOCK_T)
+    _launch_seq(part, b, nt, clamp, geometric, None, (gsl, gsr, gseq), (0.0, 0.0, 0.0))
     grads = [x.float() for x in (g_log_ratio, g_ratio, g_k1, g_k2, g_k3)]
-    m, s_mb, s_mt = _mask_arg(mask, logp)
+    inputs, strides = _inputs(logp, old_logp, mask)
     with _guard(logp):
-        _kernel("_ratio_kl_seq_kernel", dev)[(_tr.cdiv(b, _BLOCK_B),)](
-            part,
-            b,
-            nt,
-            part,
-            part,
-            part,
-            part,
-            gsl,
-            gsr,
-            gsl.stride(0),
-            gsr.stride(0),
-            gseq,
-            clamp,
-            0.0,
-            0.0,
-            0.0,
-            GEOMETRIC=bool(geometric),
-            BWD=True,
-            BLOCK_B=_BLOCK_B,
-            num_warps=_NUM_WARPS,
-        )
         rows = rows_per_program(dev)
         _kernel("_ratio_kl_bwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
             *grads,
             gseq,
-            logp,
-            old_logp,
-            m,
+            *inputs,
             d_lp,
             d_old,
             b,
             t,
             *[s for g in grads for s in g.stride()],
-            logp.stride(0),
-            logp.stride(1),
-            old_logp.stride(0),
-            old_logp.stride(1),
-            s_mb,
-            s_mt,
+            *strides,
             clamp,
             HAS_MASK=mask is not None,
             ROWS=rows,
