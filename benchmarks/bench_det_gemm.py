@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
-from shapes import GEMM_SHAPES, M_VALUES  # noqa: E402
+from shapes import GEMM_SHAPES, M_VALUES, ROLLOUT_GEMM_SHAPES  # noqa: E402
 
 from rl_engine.ops.det_gemm import config as gemm_config  # noqa: E402
 from rl_engine.ops.det_gemm import triton as gemm_triton  # noqa: E402
@@ -71,6 +71,18 @@ _SWEEP: dict[str, list[C]] = {
         _f(64, 32, 128, 1, 4, 4),
         _f(16, 64, 128, 1, 4, 6),
         _t(64, 128, 64, 1, 4, 4),
+        # narrow output tiles (small N with K in one chunk: programs = N / block_n)
+        _s(64, 32, 128, 8, 4, 4),
+        _s(64, 32, 256, 8, 4, 3),
+        _s(64, 32, 64, 8, 4, 6),
+        _s(64, 16, 128, 8, 4, 4),
+        _s(64, 16, 256, 8, 4, 3),
+        _s(32, 32, 128, 8, 4, 4),
+        _s(32, 16, 256, 8, 2, 4),
+        _s(16, 32, 128, 8, 2, 6),
+        _s(16, 16, 256, 8, 2, 4),
+        _f(64, 32, 128, 8, 4, 4),
+        _f(64, 16, 128, 8, 4, 4),
     ],
     "mid": [  # M <= 512
         _s(64, 128, 64, 8, 4, 4),
@@ -92,6 +104,10 @@ _SWEEP: dict[str, list[C]] = {
         _s(64, 64, 128, 1, 4, 4),
         _s(64, 32, 256, 1, 4, 3),
         _s(32, 128, 128, 1, 4, 4),
+        _s(64, 32, 128, 8, 4, 4),
+        _s(128, 32, 64, 8, 4, 5),
+        _s(64, 64, 64, 8, 4, 6),
+        _s(128, 64, 64, 8, 8, 4),
         _t(128, 64, 64, 8, 4, 4),
         _t(64, 64, 128, 8, 4, 4),
         # persistent TMA over (K chunk, tile) items: deep K with few rows
@@ -192,6 +208,10 @@ def run_bench(args, limits) -> list[dict]:
     return rows
 
 
+def _sweep_shapes(args):
+    return ROLLOUT_GEMM_SHAPES if args.sweep_shapes == "rollout" else GEMM_SHAPES
+
+
 def run_sweep(args) -> dict:
     """Time candidate configs per (M, shape) and K chunk; check that all configs of one K chunk
     give bitwise-equal outputs. Prints, per K chunk, the geometric mean over the grid of the best
@@ -200,7 +220,7 @@ def run_sweep(args) -> dict:
     ms = [int(x) for x in args.sweep_m.split(",")] if args.sweep_m else M_VALUES
     kcs = [int(x) for x in args.k_chunks.split(",")]
     for kc in kcs:
-        for shape in GEMM_SHAPES:
+        for shape in _sweep_shapes(args):
             for m in ms:
                 a, b = _inputs(m, shape.k, shape.n, torch.bfloat16)
                 table_cfg = gemm_config.get_config(m, shape.n, shape.k, torch.bfloat16)
@@ -239,7 +259,7 @@ def run_sweep(args) -> dict:
                     )
                 del a, b, sets
         bests = []
-        for shape in GEMM_SHAPES:
+        for shape in _sweep_shapes(args):
             for m in ms:
                 rs = [
                     r["ratio"]
@@ -310,6 +330,13 @@ def main() -> None:
             p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks"),
             p.add_argument("--sweep-only", action="store_true", help="no benchmark after it"),
             p.add_argument("--sweep-m", default="", help="sweep these M only (comma list)"),
+            p.add_argument(
+                "--sweep-shapes",
+                choices=("acceptance", "rollout"),
+                default="acceptance",
+                help="sweep the acceptance grid (8B projections, LM head) or the rollout "
+                "benchmark's ~1B Qwen2 projections",
+            ),
         ),
     )
     if not torch.cuda.is_available():

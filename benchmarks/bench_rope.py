@@ -6,7 +6,8 @@ Writes ``DIR/rope.json`` and ``DIR/rope.png``. bf16 q and k of the shared attent
 (heads x head_dim), Llama-3 scaling, per token count: the ``triton`` provider (tables computed
 inside the kernel) vs the ``stock`` provider (torch cos/sin tables + rotation) and vs the
 ``native`` reference (same bits as triton). ``bw_frac`` = (read x + write y + positions) / time /
-measured device copy bandwidth.
+measured device copy bandwidth. ``qk_rows``: the q and k of one attention layer (strided views
+of a fused QKV output) in one ``rope_qk`` launch vs two ``rope`` launches, CUDA-graph timed.
 """
 
 from __future__ import annotations
@@ -80,6 +81,66 @@ def _case(args, copy_tb_s: float, t: int, nh: int, hd: int) -> dict:
     return r
 
 
+# q / k of one attention layer (bench_rollout's ~1B Qwen2: 16 query, 8 KV heads of 128)
+QK_HEADS = (16, 8, 128)
+
+
+def run_qk(args) -> list[dict]:
+    """q and k of one layer: two ``rope`` launches vs one ``rope_qk`` launch (CUDA-graph replay,
+    GPU time only, as vLLM's decode runs them), on the strided views of a fused QKV output."""
+    tokens = (1, 64, 256, 4096) if args.quick else (1, 16, 64, 256, 1024, 4096, 16384)
+    return [_qk_case(args, t) for t in tokens]
+
+
+def _qk_case(args, t: int) -> dict:
+    hq, hk, hd = QK_HEADS
+    qkv = torch.randn(t, (hq + 2 * hk) * hd, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : hq * hd].view(t, hq, hd)
+    k = qkv[:, hq * hd : (hq + hk) * hd].view(t, hk, hd)
+    pos = torch.randint(0, 32768, (t,), device="cuda")
+    kw = (10000.0, hd, True, None)
+    yq, yk = rope_triton.rope_qk(q, k, pos, *kw)
+    same = torch.equal(yq, rope_ref.rope(q, pos, *kw)) and torch.equal(
+        yk, rope_ref.rope(k, pos, *kw)
+    )
+    sets = common.cold_copies([qkv, pos])
+
+    def views(qkv_, pos_):
+        return (
+            qkv_[:, : hq * hd].view(t, hq, hd),
+            qkv_[:, hq * hd : (hq + hk) * hd].view(t, hk, hd),
+            pos_,
+        )
+
+    def two(qkv_, pos_):
+        q_, k_, p_ = views(qkv_, pos_)
+        return rope_triton.rope(q_, p_, *kw), rope_triton.rope(k_, p_, *kw)
+
+    def one(qkv_, pos_):
+        q_, k_, p_ = views(qkv_, pos_)
+        return rope_triton.rope_qk(q_, k_, p_, *kw)
+
+    tm = {
+        name: common.bench_graph(fn, sets, quick=args.quick)
+        for name, fn in (("two_launches", two), ("rope_qk", one))
+    }
+    r = {
+        "tokens": t,
+        "q_heads": hq,
+        "k_heads": hk,
+        "head_dim": hd,
+        **{f"{k}_us": v for k, v in tm.items()},
+        "speedup_vs_two_launches": tm["two_launches"] / tm["rope_qk"],
+        "bitwise_equal_native": same,
+    }
+    print(
+        f"rope_qk T={t:6d} {hq}+{hk}x{hd}: one launch {tm['rope_qk']:7.1f} us, two "
+        f"{tm['two_launches']:7.1f} us (== native: {same})",
+        flush=True,
+    )
+    return r
+
+
 def plot(rows: list[dict], path: Path) -> None:
     if not common.have_matplotlib():
         return
@@ -109,12 +170,16 @@ def main() -> None:
         return
     limits = common.load_or_measure_limits(args.out, quick=args.quick)
     rows = run(args, limits["copy_tb_s"])
+    qk_rows = run_qk(args)
     big = [r for r in rows if r["tokens"] >= 4096]
     summary = {
         "bw_frac_large": common.geomean([r["bw_frac"] for r in big]),
         "geomean_vs_stock": common.geomean([r["ratio_vs_stock"] for r in rows]),
         "geomean_vs_native": common.geomean([r["ratio_vs_native"] for r in rows]),
-        "all_bitwise_equal_native": all(r["bitwise_equal_native"] for r in rows),
+        "all_bitwise_equal_native": all(r["bitwise_equal_native"] for r in rows + qk_rows),
+        "rope_qk_speedup_vs_two_launches": {
+            r["tokens"]: round(r["speedup_vs_two_launches"], 3) for r in qk_rows
+        },
     }
     common.write_json(
         args.out,
@@ -127,6 +192,11 @@ def main() -> None:
             "limits": limits,
             "summary": summary,
             "rows": rows,
+            "qk_definition": "q and k of one layer from a fused QKV buffer (strided views): "
+            "two rope launches vs one rope_qk launch; CUDA-graph replay over cold copies (GPU "
+            "time per layer; the stock provider builds its tables on the host, so it is not "
+            "graph-capturable and is compared in rows instead)",
+            "qk_rows": qk_rows,
         },
     )
     plot(rows, args.out / "rope.png")

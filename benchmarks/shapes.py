@@ -35,6 +35,15 @@ EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
     GemmShape("llama3-8b.lm_head", 4096, 128256),
 )
 
+# The projections of benchmarks/bench_rollout.py's ~1B Qwen2-shaped model (hidden 2048, 16 / 8
+# heads of 128, FFN 5632): what a decode step multiplies (fused QKV and gate-up as vLLM runs them).
+ROLLOUT_GEMM_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape("qwen2-1b.qkv_proj", 2048, 4096),
+    GemmShape("qwen2-1b.o_proj", 2048, 2048),
+    GemmShape("qwen2-1b.gate_up_proj", 2048, 11264),
+    GemmShape("qwen2-1b.down_proj", 5632, 2048),
+)
+
 # Hidden sizes (norms, activations, attention heads x dim) and vocabularies of the same models.
 HIDDEN_SIZES: tuple[int, ...] = (2048, 4096, 5120)
 INTERMEDIATE_SIZES: tuple[int, ...] = (12288, 14336, 25600)

@@ -15,7 +15,7 @@ from rl_engine.ops.linear_logp import linear_logp
 from rl_engine.ops.logp import logp
 from rl_engine.ops.ratio_kl import ratio_kl
 from rl_engine.ops.rms_norm import rms_norm
-from rl_engine.ops.rope import rope
+from rl_engine.ops.rope import rope, rope_qk
 from rl_engine.ops.silu_and_mul import silu_and_mul
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "ratio_kl",
     "rms_norm",
     "rope",
+    "rope_qk",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -8,6 +8,8 @@ through a stand-in sampler.
 
 from __future__ import annotations
 
+import dataclasses
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -244,6 +246,29 @@ def test_no_host_reads_guard_trips():
         torch.ones(3).sum().item()
 
 
+@dataclasses.dataclass
+class _Metadata:
+    """The fields of vLLM's V1 ``SamplingMetadata`` (a dataclass) that the sampler wrapper reads."""
+
+    max_num_logprobs: int | None
+    logprob_token_ids: dict | None
+    temperature: torch.Tensor | None
+
+
+def test_without_logprobs_matches_vllm_sampling_metadata():
+    """``compat.without_logprobs`` replaces fields that this vLLM's ``SamplingMetadata`` has."""
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    from rl_engine.adapters.vllm import compat
+
+    names = {f.name for f in dataclasses.fields(SamplingMetadata)}
+    assert {"max_num_logprobs", "logprob_token_ids", "temperature"} <= names
+    md = _Metadata(max_num_logprobs=3, logprob_token_ids={0: [1]}, temperature=None)
+    stripped = compat.without_logprobs(md)
+    assert stripped.max_num_logprobs is None and stripped.logprob_token_ids is None
+    assert md.max_num_logprobs == 3  # the caller's metadata is untouched
+
+
 def test_v1_sampler_wrapper_mixed_temperatures_no_host_reads():
     """V1 runner (0.24 Qwen2): one logp launch for rows of mixed temperatures, each row bitwise
     ``logp(logits, token, its temperature)`` (greedy rows at 1), with no host read of device data."""
@@ -255,11 +280,13 @@ def test_v1_sampler_wrapper_mixed_temperatures_no_host_reads():
     sampled = torch.tensor([3, 11, 0, 69])
 
     def original(self, lg, md, *rest):
+        # the stock sampler is asked for no log-probs (the plugin's replace them)
+        assert md.max_num_logprobs is None and not md.logprob_token_ids
         lg.div_(md.temperature[:, None].clamp_min(1e-5))  # vLLM scales its input in place
-        return SimpleNamespace(sampled_token_ids=sampled.view(-1, 1), logprobs_tensors="stock")
+        return SimpleNamespace(sampled_token_ids=sampled.view(-1, 1), logprobs_tensors=None)
 
     temps = torch.tensor([0.7, 0.0, 1.3, 0.7])
-    md = SimpleNamespace(max_num_logprobs=2, logprob_token_ids=None, temperature=temps)
+    md = _Metadata(max_num_logprobs=2, logprob_token_ids=None, temperature=temps)
     sampler = SimpleNamespace(logprobs_mode="processed_logprobs")
     before = check.provenance_record()["executed"]["logp_calls"]
     with _NoHostReads():

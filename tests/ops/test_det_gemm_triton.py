@@ -83,8 +83,11 @@ def test_config_table_is_sane():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         cfgs = gemm_config.all_configs(dtype)
         assert cfgs and all(isinstance(c, gemm_config.DetGemmConfig) for c in cfgs)
-        for m in (1, 16, 17, 300, 5000, 1 << 40):
-            assert gemm_config.get_config(m, 4096, 4096, dtype) in cfgs
+        for m in (1, 16, 17, 64, 65, 300, 5000, 1 << 40):
+            for n, k in ((4096, 4096), (2048, 2048), (2048, 5632), (151936, 2048)):
+                assert gemm_config.get_config(m, n, k, dtype) in cfgs
+    # a small weight (a ~1B model's projection) takes narrow tiles at decode sizes
+    assert gemm_config.get_config(64, 2048, 2048, torch.bfloat16).block_n <= 32
     with pytest.raises(ValueError, match="power of two"):
         gemm_config.DetGemmConfig(24, 64, 64)
     with pytest.raises(ValueError, match="divide"):

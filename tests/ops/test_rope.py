@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
-from rl_engine.ops import rope
+from rl_engine.ops import rope, rope_qk
 from rl_engine.ops.rope.reference import canonical_scaling, inv_freq_table
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
@@ -199,6 +199,42 @@ def test_strided_input(backend):
         assert_bitwise(rope(t, pos, backend=backend), rope(t.contiguous(), pos), f"strided {n}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox,rd,scaling", [(True, 32, None), (False, 16, LLAMA3)])
+def test_rope_qk_is_rope_of_each(backend, dtype, neox, rd, scaling):
+    """The fused q/k op: bitwise ``rope`` of each tensor, forward and dX, on the strided views
+    of a fused QKV output (how vLLM hands them over) and on contiguous tensors."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(23, (6 + 2 + 2) * 32, generator=g).to(dtype)
+    views = (qkv[:, : 6 * 32].view(23, 6, 32), qkv[:, 6 * 32 : 8 * 32].view(23, 2, 32))
+    pos = torch.randint(0, 9000, (23,), generator=g)
+    kw = dict(theta=500000.0, rotary_dim=rd, is_neox=neox, scaling=scaling, backend=backend)
+    for q, k in (views, (views[0].contiguous(), views[1].contiguous())):
+        yq, yk = rope_qk(q, k, pos, **kw)
+        assert_bitwise(yq, rope(q, pos, **kw), "rope_qk q")
+        assert_bitwise(yk, rope(k, pos, **kw), "rope_qk k")
+    q = views[0].detach().clone().requires_grad_(True)
+    k = views[1].detach().clone().requires_grad_(True)
+    gq = torch.randn(q.shape, generator=g).to(dtype)
+    gk = torch.randn(k.shape, generator=g).to(dtype)
+    torch.autograd.backward(rope_qk(q, k, pos, **kw), (gq, gk))
+    q1 = views[0].detach().clone().requires_grad_(True)
+    k1 = views[1].detach().clone().requires_grad_(True)
+    torch.autograd.backward((rope(q1, pos, **kw), rope(k1, pos, **kw)), (gq, gk))
+    assert_bitwise(q.grad, q1.grad, "rope_qk dq")
+    assert_bitwise(k.grad, k1.grad, "rope_qk dk")
+
+
+def test_rope_qk_errors():
+    pos = torch.arange(4)
+    with pytest.raises(ValueError, match="does not go with q"):
+        rope_qk(torch.randn(4, 2, 16), torch.randn(3, 2, 16), torch.arange(4))
+    with pytest.raises(ValueError, match="does not go with q"):
+        rope_qk(torch.randn(4, 2, 16), torch.randn(4, 2, 8), pos)
+    with pytest.raises(ValueError, match="does not go with q"):
+        rope_qk(torch.randn(4, 2, 16), torch.randn(4, 2, 16, dtype=torch.float64), pos)
+
+
 def test_compile_matches_eager(backend):
     x, pos = torch.randn(9, 2, 32), torch.arange(9)
     f = torch.compile(
@@ -219,6 +255,9 @@ def test_opcheck():
         ops.rope.default, (x, pos, 10000.0, 16, False, "default", 1.0, 0.0, 0.0, 0, "native")
     )
     torch.library.opcheck(ops.rope_backward.default, (g, pos, *args))
+    k, gk = torch.randn(5, 1, 16, requires_grad=True), torch.randn(5, 1, 16)
+    torch.library.opcheck(ops.rope_qk.default, (x, k, pos, *args))
+    torch.library.opcheck(ops.rope_qk_backward.default, (g, gk, pos, *args))
 
 
 def test_default_resolution_and_stock_audit_only():

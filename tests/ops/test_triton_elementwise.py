@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
-from rl_engine.ops import _math, rms_norm, rope, silu_and_mul
+from rl_engine.ops import _math, rms_norm, rope, rope_qk, silu_and_mul
 from rl_engine.ops.rms_norm import triton as rms_triton
 from rl_engine.ops.rope import reference as rope_ref
 from rl_engine.ops.rope import triton as rope_triton
@@ -616,12 +616,45 @@ def test_rope_autograd_row_invariance_and_strides(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_one_launch_equals_native_on_each(dtype, neox):
+    """``rope_qk`` (q and k in one launch, the tables once): bitwise the reference on each, on
+    the strided q / k views of a fused QKV buffer, forward and backward, and row invariant."""
+    g = torch.Generator().manual_seed(4)
+    n = 67
+    qkv = _rand(n, 5 + 3 + 3, 24, dtype=dtype, gen=g)
+    q, k = qkv[:, :5], qkv[:, 5:8]
+    pos = torch.randint(0, 200000, (n,), generator=g).to(DEVICE)
+    for theta, rd, scaling in _ROPE_CASES[:3]:
+        kw = dict(theta=theta, rotary_dim=rd, is_neox=neox, scaling=scaling)
+        yq, yk = rope_qk(q, k, pos, backend=B, **kw)
+        assert_bitwise(yq, rope(q, pos, backend="native", **kw), "q")
+        assert_bitwise(yk, rope(k, pos, backend="native", **kw), "k")
+        bq, bk = rope_triton.rope_qk_backward(q, k, pos, theta, rd, neox, scaling)
+        assert_bitwise(bq, rope_ref.rope_backward(q, pos, theta, rd, neox, scaling), "dq")
+        assert_bitwise(bk, rope_ref.rope_backward(k, pos, theta, rd, neox, scaling), "dk")
+    idx = torch.arange(float(n), device=DEVICE)
+    check_row_invariance(
+        lambda i: torch.cat(rope_qk(q[i.long()], k[i.long()], pos[i.long()], backend=B), 1),
+        idx,
+        counts=(1, 17, 33),
+        what="rope_qk",
+    )
+
+
+@needs_triton
 def test_rope_opcheck():
     x, pos = _rand(5, 2, 8, dtype=torch.float32), torch.arange(5, device=DEVICE)
     args = (10000.0, 8, True, "default", 1.0, 0.0, 0.0, 0, B)
     ops = torch.ops.rl_engine
     torch.library.opcheck(ops.rope.default, (x.clone().requires_grad_(), pos, *args))
     torch.library.opcheck(ops.rope_backward.default, (x, pos, *args))
+    k = _rand(5, 1, 8, dtype=torch.float32)
+    torch.library.opcheck(
+        ops.rope_qk.default, (x.clone().requires_grad_(), k.clone().requires_grad_(), pos, *args)
+    )
+    torch.library.opcheck(ops.rope_qk_backward.default, (x, k, pos, *args))
 
 
 # ============================================================================ GPU only

@@ -222,8 +222,7 @@ class _AttentionForward(_PatchedForward):
         if position_ids is None:
             position_ids = (torch.arange(s, device=q.device) + past).unsqueeze(0)
         pos = position_ids.expand(b, s).reshape(-1)
-        q = ops.rope(q.reshape(b * s, hq, d), pos, **rope_kw)
-        k = ops.rope(k.reshape(b * s, hkv, d), pos, **rope_kw)
+        q, k = ops.rope_qk(q.reshape(b * s, hq, d), k.reshape(b * s, hkv, d), pos, **rope_kw)
         v = v.reshape(b * s, hkv, d)
         if attention_mask is not None and attention_mask.dim() != 2:
             raise UnsupportedModelError(

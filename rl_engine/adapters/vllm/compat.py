@@ -37,6 +37,7 @@ An untested version is refused by :func:`check_version` unless the configuration
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import SimpleNamespace
 from typing import Any
@@ -245,6 +246,14 @@ def logprobs_tensors(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor)
     from vllm.v1.outputs import LogprobsTensors
 
     return LogprobsTensors(ids, vals, ranks)
+
+
+def without_logprobs(sampling_metadata: Any) -> Any:
+    """A copy of a V1 ``SamplingMetadata`` that asks for no log-probs (0.24 and 0.32: a dataclass
+    with ``max_num_logprobs`` / ``logprob_token_ids``), so the stock sampler only samples: the
+    plugin computes the log-probs itself, and vLLM's own (a full-vocabulary ``log_softmax``, the
+    top-k gather and the rank count) would be thrown away."""
+    return dataclasses.replace(sampling_metadata, max_num_logprobs=None, logprob_token_ids=None)
 
 
 def v2_sampler_class() -> Any:

@@ -193,7 +193,7 @@ def rope_scaling(module: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 def _make_rope_forward(original):
     def forward(self, positions, query, key=None):
-        from rl_engine.ops import rope
+        from rl_engine.ops import rope_qk
 
         scaling, reason = rope_scaling(self)
         if reason is not None or key is None:
@@ -207,9 +207,11 @@ def _make_rope_forward(original):
             is_neox=bool(self.is_neox_style),
             scaling=scaling,
         )
-        q = rope(query.reshape(t, -1, self.head_size), pos, **kw).reshape(query.shape)
-        k = rope(key.reshape(t, -1, self.head_size), pos, **kw).reshape(key.shape)
-        return q, k
+        # q and k in one op (one launch on the GPU; bitwise rope of each)
+        q, k = rope_qk(
+            query.reshape(t, -1, self.head_size), key.reshape(t, -1, self.head_size), pos, **kw
+        )
+        return q.reshape(query.shape), k.reshape(key.shape)
 
     return forward
 
@@ -306,6 +308,8 @@ def _make_sampler_forward(original):
     def forward(
         self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None
     ):
+        from rl_engine.adapters.vllm import compat
+
         mode = logprobs_mode_override or self.logprobs_mode
         num_logprobs = sampling_metadata.max_num_logprobs
         wants = num_logprobs is not None or bool(sampling_metadata.logprob_token_ids)
@@ -319,7 +323,14 @@ def _make_sampler_forward(original):
             )
         # before the sampler, which scales its input in place
         z = scaled_logits(logits, _device_temperatures(logits, sampling_metadata, mode))
-        out = original(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        # the stock sampler only samples (its log-probs would be replaced below)
+        out = original(
+            self,
+            logits,
+            compat.without_logprobs(sampling_metadata),
+            predict_bonus_token,
+            logprobs_mode_override,
+        )
         out.logprobs_tensors = rl_engine_logprobs(z, out.sampled_token_ids[:, 0], num_logprobs)
         return out
 

@@ -111,42 +111,58 @@ class WgradConfig:
 
 _C = DetGemmConfig
 
-# 16-bit inputs (bf16 / fp16): (m_max, k_min, n_min, config); the first row with M <= m_max,
-# K >= k_min and N >= n_min wins. Tuned on an H200 from CUDA-graph timings over cold operands
-# (benchmarks/bench_det_gemm.py --sweep): decode sizes use narrow pointer-load tiles (deep K:
-# split over the K chunks) so that enough programs stream the weight; wide products (N >= 8192)
-# take the persistent TMA kernel from 65 rows on; deep K with 129-256 rows the persistent TMA
-# kernel over (chunk, tile) items; from 257 rows on the TMA kernel everywhere. Where two
-# configs tie on GPU time the pointer kernel wins: its Python launch path is shorter.
-# ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM head's token
-# chunks; tuned for it, performance only).
+# 16-bit inputs (bf16 / fp16): (m_max, k_min, n_min, w_max, config); the first row with M <= m_max,
+# K >= k_min, N >= n_min and K * N <= w_max wins. Tuned on H100 / H200 from CUDA-graph timings over
+# cold operands (benchmarks/bench_det_gemm.py --sweep; ``--sweep-shapes rollout`` for the small
+# weights). Small weights (K * N <= 12 Mi elements: the projections of a ~1B model) have few
+# output tiles, so up to 256 rows they take narrow tiles (16 or 32 columns: a program per 32
+# columns streams the weight) and from 65 rows the persistent TMA kernel; the K chunks of a deep
+# K stay in one program there (``flat_k``). Larger weights: decode sizes use narrow pointer-load
+# tiles (deep K: split over the K chunks) so that enough programs stream the weight; wide
+# products (N >= 8192) take the persistent TMA kernel from 65 rows on; deep K with 129-256 rows
+# the persistent TMA kernel over (chunk, tile) items; from 257 rows on the TMA kernel
+# everywhere. Where two configs tie on GPU time the pointer kernel wins: its Python launch path
+# is shorter. ``LM_HEAD`` is the config of wide products with a few hundred rows (the fused LM
+# head's token chunks; tuned for it, performance only).
 _DEEP = K_CHUNK + 1  # more than one K chunk
 _WIDE = 8192
-_TABLE_16BIT: tuple[tuple[int, int, int, DetGemmConfig], ...] = (
-    (16, _DEEP, 0, _C(16, 128, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
-    (16, 0, 0, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6, flat_k=True)),
-    (64, _DEEP, 0, _C(64, 64, 64, group_m=1, num_warps=4, num_stages=5, split_k=True)),
-    (64, 0, 0, _C(64, 64, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
-    (128, _DEEP, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
-    (128, 0, _WIDE, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (128, 0, 0, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4, split_k=True)),
-    (256, _DEEP, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, split_k=True)),
-    (256, 0, _WIDE, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
-    (256, 0, 0, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
-    (512, 0, _WIDE, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
-    (512, 0, 0, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (1 << 62, _DEEP, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
-    (1 << 62, 0, 0, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+_SMALL_W = 12 << 20  # K * N of a "small" weight
+_ANY_W = 1 << 62
+_TABLE_16BIT: tuple[tuple[int, int, int, int, DetGemmConfig], ...] = (
+    (16, 0, 0, _SMALL_W, _C(16, 32, 256, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (64, 0, 0, _SMALL_W, _C(64, 32, 128, group_m=8, num_warps=4, num_stages=4, flat_k=True)),
+    (128, 0, 0, _SMALL_W, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4, tma=True)),
+    (256, 0, 0, _SMALL_W, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4, tma=True)),
+    (16, _DEEP, 0, _ANY_W, _C(16, 128, 128, group_m=1, num_warps=4, num_stages=4, split_k=True)),
+    (16, 0, 0, _ANY_W, _C(16, 64, 128, group_m=1, num_warps=4, num_stages=6, flat_k=True)),
+    (64, _DEEP, 0, _ANY_W, _C(64, 64, 64, group_m=1, num_warps=4, num_stages=5, split_k=True)),
+    (64, 0, 0, _ANY_W, _C(64, 64, 64, group_m=1, num_warps=4, num_stages=5, split_k=True)),
+    (128, _DEEP, 0, _ANY_W, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (128, 0, _WIDE, _ANY_W, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (128, 0, 0, _ANY_W, _C(64, 64, 128, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (
+        256,
+        _DEEP,
+        0,
+        _ANY_W,
+        _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, split_k=True),
+    ),
+    (256, 0, _WIDE, _ANY_W, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+    (256, 0, 0, _ANY_W, _C(64, 128, 64, group_m=8, num_warps=4, num_stages=4, split_k=True)),
+    (512, 0, _WIDE, _ANY_W, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
+    (512, 0, 0, _ANY_W, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (1 << 62, _DEEP, 0, _ANY_W, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)),
+    (1 << 62, 0, 0, _ANY_W, _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)),
 )
 
 LM_HEAD = _C(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
 
 # fp32 inputs: IEEE FMA dots (no TF32), smaller tiles.
-_TABLE_FP32: tuple[tuple[int, int, int, DetGemmConfig], ...] = (
-    (16, _DEEP, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3, split_k=True)),
-    (16, 0, 0, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
-    (64, 0, 0, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
-    (1 << 62, 0, 0, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+_TABLE_FP32: tuple[tuple[int, int, int, int, DetGemmConfig], ...] = (
+    (16, _DEEP, 0, _ANY_W, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3, split_k=True)),
+    (16, 0, 0, _ANY_W, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    (64, 0, 0, _ANY_W, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+    (1 << 62, 0, 0, _ANY_W, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
 )
 
 _WGRAD_16BIT = WgradConfig(
@@ -155,16 +171,16 @@ _WGRAD_16BIT = WgradConfig(
 _WGRAD_FP32 = WgradConfig(block_o=64, block_n=64, block_t=32, num_warps=4, num_stages=3)
 
 
-def _table(dtype: torch.dtype) -> tuple[tuple[int, int, int, DetGemmConfig], ...]:
+def _table(dtype: torch.dtype) -> tuple[tuple[int, int, int, int, DetGemmConfig], ...]:
     return _TABLE_FP32 if dtype == torch.float32 else _TABLE_16BIT
 
 
 def get_config(m: int, n: int, k: int, dtype: torch.dtype) -> DetGemmConfig:
     """The forward config for an [m, k] x [k, n] product (shape-dependent, numerics-free)."""
-    for m_max, k_min, n_min, cfg in _table(dtype):
-        if m <= m_max and k >= k_min and n >= n_min:
+    for m_max, k_min, n_min, w_max, cfg in _table(dtype):
+        if m <= m_max and k >= k_min and n >= n_min and k * n <= w_max:
             return cfg
-    return _table(dtype)[-1][3]
+    return _table(dtype)[-1][-1]
 
 
 def get_wgrad_config(dtype: torch.dtype) -> WgradConfig:

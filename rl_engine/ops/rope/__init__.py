@@ -6,6 +6,9 @@ Custom ops (the scaling dict travels as its canonical scalars):
   low_freq_factor, high_freq_factor, original_max_position_embeddings, provider) -> y``
 * ``rl_engine::rope_backward(grad, positions, ...same..., provider) -> dx`` (inverse rotation;
   ``positions`` gets no gradient).
+* ``rl_engine::rope_qk(q, k, positions, ...same...) -> (q_out, k_out)`` and
+  ``rl_engine::rope_qk_backward``: both tensors of an attention layer in one op (bitwise the
+  one-tensor op on each).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.rope import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
-__all__ = ["rope"]
+__all__ = ["rope", "rope_qk"]
 
 
 def _call(extra: str | None, t, positions, theta, rotary_dim, is_neox, canon, provider):
@@ -74,6 +77,86 @@ def _(grad, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high,
     return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
 
 
+def _call_qk(extra, q, k, positions, theta, rotary_dim, is_neox, canon, provider):
+    fn = KernelRegistry.provider("rope", provider).extras[extra]
+    yq, yk = fn(q, k, positions, theta, rotary_dim, is_neox, reference.scaling_dict(canon))
+    return yq.contiguous(), yk.contiguous()
+
+
+@torch.library.custom_op("rl_engine::rope_qk", mutates_args=())
+def _rope_qk_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    rotary_dim: int,
+    is_neox: bool,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    return _call_qk("qk", q, k, positions, theta, rotary_dim, is_neox, canon, provider)
+
+
+@_rope_qk_op.register_fake
+def _(q, k, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+    )
+
+
+@torch.library.custom_op("rl_engine::rope_qk_backward", mutates_args=())
+def _rope_qk_backward_op(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    rotary_dim: int,
+    is_neox: bool,
+    rope_type: str,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    return _call_qk(
+        "qk_backward", grad_q, grad_k, positions, theta, rotary_dim, is_neox, canon, provider
+    )
+
+
+@_rope_qk_backward_op.register_fake
+def _(gq, gk, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
+    return (
+        torch.empty(gq.shape, dtype=gq.dtype, device=gq.device),
+        torch.empty(gk.shape, dtype=gk.dtype, device=gk.device),
+    )
+
+
+def _setup_context_qk(ctx, inputs, output):
+    q, k, positions, *params = inputs
+    ctx.save_for_backward(positions)
+    ctx.params = params
+    ctx.dtype = q.dtype
+
+
+def _backward_qk(ctx, grad_q, grad_k):
+    # (autograd materialises the gradient of an unused output as zeros)
+    (positions,) = ctx.saved_tensors
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return (None,) * 12
+    dq, dk = _rope_qk_backward_op(
+        grad_q.to(ctx.dtype), grad_k.to(ctx.dtype), positions, *ctx.params
+    )
+    return (dq, dk) + (None,) * 10
+
+
 def _setup_context(ctx, inputs, output):
     x, positions, *params = inputs
     ctx.save_for_backward(positions)
@@ -90,6 +173,7 @@ def _backward(ctx, grad):
 
 
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
+_rope_qk_op.register_autograd(_backward_qk, setup_context=_setup_context_qk)
 
 
 def _entry(
@@ -104,6 +188,48 @@ def _entry(
 ) -> torch.Tensor:
     rotary_dim, canon = reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
     return _rope_op(x, positions, float(theta), rotary_dim, is_neox, *canon, provider)
+
+
+def _entry_qk(
+    q, k, positions, theta=10000.0, rotary_dim=None, is_neox=True, scaling=None, *, provider
+):
+    rotary_dim, canon = reference._check(q, positions, theta, rotary_dim, is_neox, scaling)
+    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
+        raise ValueError(
+            f"rope_qk: k {tuple(k.shape)} {k.dtype} does not go with q {tuple(q.shape)} "
+            f"{q.dtype} (same tokens, head dim and dtype)"
+        )
+    reference._check(k, positions, theta, rotary_dim, is_neox, scaling)
+    return _rope_qk_op(q, k, positions, float(theta), rotary_dim, is_neox, *canon, provider)
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    is_neox: bool = True,
+    scaling: Mapping[str, Any] | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of the queries and the keys of the same tokens in one op.
+
+    Bitwise ``(rope(q, ...), rope(k, ...))`` (same provider); the Triton provider rotates both in
+    one launch and evaluates the cos / sin tables once per token.
+
+    Args:
+        q: [T, Hq, D]; k: [T, Hk, D] (same T, D and dtype).
+        positions, theta, rotary_dim, is_neox, scaling, backend: as :func:`rope`.
+
+    Returns:
+        ``(q_rotated, k_rotated)``, each in the input's shape and dtype.
+    """
+    check_tensor("q", q)
+    check_tensor("k", k)
+    provider = resolve_provider("rope", q.device.type, backend)
+    return _entry_qk(q, k, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
 
 
 def rope(
@@ -146,7 +272,11 @@ KernelRegistry.register_provider(
         invariant=True,
         numerics="rope/native-f64table",
         fn=reference.rope,
-        extras={"backward": reference.rope_backward},
+        extras={
+            "backward": reference.rope_backward,
+            "qk": reference.rope_qk,
+            "qk_backward": reference.rope_qk_backward,
+        },
     )
 )
 KernelRegistry.register_provider(
@@ -158,7 +288,11 @@ KernelRegistry.register_provider(
         invariant=False,
         numerics="rope/stock-torch",
         fn=stock.rope,
-        extras={"backward": stock.rope_backward},
+        extras={
+            "backward": stock.rope_backward,
+            "qk": reference.on_q_and_k(stock.rope),
+            "qk_backward": reference.on_q_and_k(stock.rope_backward),
+        },
     )
 )
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -257,3 +257,22 @@ def rope_backward(
 ) -> torch.Tensor:
     """Gradient w.r.t. ``x``: the inverse rotation of ``grad`` [T, heads, head_dim]."""
     return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)
+
+
+def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The two-tensor form of a one-tensor ``rope`` function: ``(fn(q, ...), fn(k, ...))`` with
+    the same positions and parameters (the spec of the fused ``rope_qk``)."""
+
+    def both(q, k, positions, theta=10000.0, rotary_dim=None, is_neox=True, scaling=None):
+        return (
+            fn(q, positions, theta, rotary_dim, is_neox, scaling),
+            fn(k, positions, theta, rotary_dim, is_neox, scaling),
+        )
+
+    both.__name__ = f"{fn.__name__}_qk"
+    both.__doc__ = f"``{fn.__name__}`` of ``q`` and of ``k`` (same positions and parameters)."
+    return both
+
+
+rope_qk = on_q_and_k(rope)
+rope_qk_backward = on_q_and_k(rope_backward)

@@ -45,7 +45,15 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["PROVIDER", "RopeConfig", "get_config", "rope", "rope_backward"]
+__all__ = [
+    "PROVIDER",
+    "RopeConfig",
+    "get_config",
+    "rope",
+    "rope_backward",
+    "rope_qk",
+    "rope_qk_backward",
+]
 
 _INT32_MAX = 2**31 - 1
 
@@ -99,29 +107,73 @@ def get_config(heads: int, head_dim: int, rotary_dim: int) -> RopeConfig:
 if triton is not None:
 
     @triton.jit
+    def _rotate_heads(
+        x_ptr, y_ptr, toks, tmask, pairs, pmask, cos, sin,
+        stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
+        NH: tl.constexpr, RD: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """The rotation of the ``NH`` heads of tokens ``toks`` (fp32, one rounding to y's dtype)."""
+        HALF: tl.constexpr = RD // 2
+        heads = tl.arange(0, BLOCK_H)
+        mask = tmask[:, None, None] & (heads < NH)[None, :, None] & pmask[None, None, :]
+        row = x_ptr + toks[:, None, None] * stride_xt + heads[None, :, None] * stride_xh
+        out = y_ptr + toks[:, None, None] * stride_yt + heads[None, :, None] * stride_yh
+        if IS_NEOX:
+            i1 = pairs[None, None, :]
+            i2 = pairs[None, None, :] + HALF
+        else:
+            i1 = 2 * pairs[None, None, :]
+            i2 = 2 * pairs[None, None, :] + 1
+        x1 = tl.load(row + i1 * stride_xd, mask=mask, other=0.0)
+        x2 = tl.load(row + i2 * stride_xd, mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1 = x1f * cos - x2f * sin
+        o2 = x2f * cos + x1f * sin
+        tl.store(out + i1, o1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + i2, o2.to(y_ptr.dtype.element_ty), mask=mask)
+        if RD < HD:  # partial rotary: the other channels pass through
+            ch = RD + tl.arange(0, BLOCK_C)
+            cmask = tmask[:, None, None] & (heads < NH)[None, :, None] & (ch < HD)[None, None, :]
+            v = tl.load(row + ch[None, None, :] * stride_xd, mask=cmask, other=0.0)
+            tl.store(out + ch[None, None, :], v, mask=cmask)
+
+    @triton.jit
     def _rope_fwd_kernel(
         x_ptr,
+        x2_ptr,
         pos_ptr,
         inv_ptr,
         c_ptr,
         y_ptr,
+        y2_ptr,
         T,
         stride_xt,
         stride_xh,
         stride_xd,
         stride_yt,
         stride_yh,
+        stride_x2t,
+        stride_x2h,
+        stride_x2d,
+        stride_y2t,
+        stride_y2h,
         NH: tl.constexpr,
+        NH2: tl.constexpr,
         RD: tl.constexpr,
         HD: tl.constexpr,
         IS_NEOX: tl.constexpr,
         INVERSE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        BLOCK_H2: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_C: tl.constexpr,
         INT64: tl.constexpr,
     ):
+        # NH2 > 0: a second tensor (k next to q) at the same positions, rotated with the same
+        # tables in the same program (one launch, the tables computed once).
         HALF: tl.constexpr = RD // 2
         toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         if INT64:
@@ -153,29 +205,17 @@ if triton is not None:
         cos = cos[:, None, :]
         sin = sin[:, None, :]
         # ---- the rotation, fp32 ----
-        heads = tl.arange(0, BLOCK_H)
-        mask = tmask[:, None, None] & (heads < NH)[None, :, None] & pmask[None, None, :]
-        row = x_ptr + toks[:, None, None] * stride_xt + heads[None, :, None] * stride_xh
-        out = y_ptr + toks[:, None, None] * stride_yt + heads[None, :, None] * stride_yh
-        if IS_NEOX:
-            i1 = pairs[None, None, :]
-            i2 = pairs[None, None, :] + HALF
-        else:
-            i1 = 2 * pairs[None, None, :]
-            i2 = 2 * pairs[None, None, :] + 1
-        x1 = tl.load(row + i1 * stride_xd, mask=mask, other=0.0)
-        x2 = tl.load(row + i2 * stride_xd, mask=mask, other=0.0)
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        o1 = x1f * cos - x2f * sin
-        o2 = x2f * cos + x1f * sin
-        tl.store(out + i1, o1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + i2, o2.to(y_ptr.dtype.element_ty), mask=mask)
-        if RD < HD:  # partial rotary: the other channels pass through
-            ch = RD + tl.arange(0, BLOCK_C)
-            cmask = tmask[:, None, None] & (heads < NH)[None, :, None] & (ch < HD)[None, None, :]
-            v = tl.load(row + ch[None, None, :] * stride_xd, mask=cmask, other=0.0)
-            tl.store(out + ch[None, None, :], v, mask=cmask)
+        _rotate_heads(
+            x_ptr, y_ptr, toks, tmask, pairs, pmask, cos, sin,
+            stride_xt, stride_xh, stride_xd, stride_yt, stride_yh,
+            NH, RD, HD, IS_NEOX, BLOCK_H, BLOCK_C,
+        )  # fmt: skip
+        if NH2 > 0:
+            _rotate_heads(
+                x2_ptr, y2_ptr, toks, tmask, pairs, pmask, cos, sin,
+                stride_x2t, stride_x2h, stride_x2d, stride_y2t, stride_y2h,
+                NH2, RD, HD, IS_NEOX, BLOCK_H2, BLOCK_C,
+            )  # fmt: skip
 
 
 _tables: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -202,48 +242,73 @@ def _check_device(t: torch.Tensor) -> None:
 _guard = _tr.device_guard
 
 
-def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -> torch.Tensor:
+def _rope(
+    x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool, x2=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``y`` (and ``y2`` for a second tensor ``x2`` of the same tokens and head dim)."""
     rotary_dim, canon = _check(x, positions, theta, rotary_dim, is_neox, scaling)
     _check_device(x)
     t, nh, hd = x.shape
     y = torch.empty((t, nh, hd), dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
+    nh2 = 0
+    y2 = None
+    if x2 is not None:
+        _check(x2, positions, theta, rotary_dim, is_neox, scaling)
+        if x2.shape[0] != t or x2.shape[2] != hd or x2.dtype != x.dtype or x2.device != x.device:
+            raise ValueError(
+                f"rope: k {tuple(x2.shape)} {x2.dtype} does not go with q {tuple(x.shape)} "
+                f"{x.dtype} (same tokens, head dim, dtype and device)"
+            )
+        nh2 = x2.shape[1]
+        y2 = torch.empty((t, nh2, hd), dtype=x2.dtype, device=x2.device)
+    if y.numel() == 0 and (y2 is None or y2.numel() == 0):
+        return y, y2
     inv = _table(
         ("inv", float(theta), rotary_dim, canon),
         inv_freq_table(float(theta), rotary_dim, canon),
         x.device,
     )
     consts = _table(("consts",), _CONSTS, x.device)
-    cfg = get_config(nh, hd, rotary_dim)
-    span = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride()))
+    cfg = get_config(nh + nh2, hd, rotary_dim)
+    spans = [sum((s - 1) * abs(st) for s, st in zip(x.shape, x.stride())), y.numel()]
+    reach = [cfg.block_t * y.stride(0)]
+    x2_args: tuple[Any, ...] = (x, y, 0, 0, 0, 0, 0)  # unused (NH2 = 0)
+    if x2 is not None:
+        spans += [sum((s - 1) * abs(st) for s, st in zip(x2.shape, x2.stride())), y2.numel()]
+        reach.append(cfg.block_t * y2.stride(0))
+        x2_args = (x2, y2, x2.stride(0), x2.stride(1), x2.stride(2), y2.stride(0), y2.stride(1))
     with _guard(x):
         _kernel("_rope_fwd_kernel", x.device)[(_tr.cdiv(t, cfg.block_t),)](
             x,
+            x2_args[0],
             positions,
             inv,
             consts,
             y,
+            x2_args[1],
             t,
             x.stride(0),
             x.stride(1),
             x.stride(2),
             y.stride(0),
             y.stride(1),
+            *x2_args[2:],
             NH=nh,
+            NH2=nh2,
             RD=rotary_dim,
             HD=hd,
             IS_NEOX=is_neox,
             INVERSE=inverse,
             BLOCK_T=cfg.block_t,
-            BLOCK_H=cfg.block_h,
+            BLOCK_H=_pow2(nh),
+            BLOCK_H2=_pow2(nh2) if nh2 else 1,
             BLOCK_P=cfg.block_p,
             BLOCK_C=cfg.block_c,
-            INT64=max(span, y.numel()) + cfg.block_t * y.stride(0) >= _INT32_MAX,
+            INT64=max(spans) + max(reach) >= _INT32_MAX,
             num_warps=cfg.num_warps,
             enable_fp_fusion=False,
         )
-    return y
+    return y, y2
 
 
 def rope(
@@ -268,7 +333,7 @@ def rope(
     Returns:
         [T, heads, head_dim] in ``x.dtype``.
     """
-    return _rope(x, positions, theta, rotary_dim, is_neox, scaling, inverse=False)
+    return _rope(x, positions, theta, rotary_dim, is_neox, scaling, inverse=False)[0]
 
 
 def rope_backward(
@@ -280,7 +345,34 @@ def rope_backward(
     scaling: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. ``x``: the inverse rotation of ``grad`` [T, heads, head_dim]."""
-    return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)
+    return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)[0]
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    is_neox: bool = True,
+    scaling: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of ``q`` [T, Hq, D] and ``k`` [T, Hk, D] at the same positions in one launch
+    (the tables computed once per token); each output bitwise equal to its own :func:`rope`."""
+    return _rope(q, positions, theta, rotary_dim, is_neox, scaling, inverse=False, x2=k)
+
+
+def rope_qk_backward(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    rotary_dim: int | None = None,
+    is_neox: bool = True,
+    scaling: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_backward` of both gradients in one launch."""
+    return _rope(grad_q, positions, theta, rotary_dim, is_neox, scaling, inverse=True, x2=grad_k)
 
 
 _available = _tr.available
@@ -296,5 +388,5 @@ PROVIDER = Provider(
     fn=rope,
     version="1",
     available=_available,
-    extras={"backward": rope_backward},
+    extras={"backward": rope_backward, "qk": rope_qk, "qk_backward": rope_qk_backward},
 )
