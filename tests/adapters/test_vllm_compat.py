@@ -9,7 +9,6 @@ through a stand-in sampler.
 from __future__ import annotations
 
 import dataclasses
-
 from types import SimpleNamespace
 
 import numpy as np
