@@ -257,9 +257,11 @@ class _Metadata:
 def test_without_logprobs_matches_vllm_sampling_metadata():
     """``compat.without_logprobs`` replaces fields that this vLLM's ``SamplingMetadata`` has."""
     from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     from rl_engine.adapters.vllm import compat
 
+    assert TopKTopPSampler("processed_logprobs").logprobs_mode == "processed_logprobs"
     names = {f.name for f in dataclasses.fields(SamplingMetadata)}
     assert {"max_num_logprobs", "logprob_token_ids", "temperature"} <= names
     md = _Metadata(max_num_logprobs=3, logprob_token_ids={0: [1]}, temperature=None)
@@ -281,12 +283,16 @@ def test_v1_sampler_wrapper_mixed_temperatures_no_host_reads():
     def original(self, lg, md, *rest):
         # the stock sampler is asked for no log-probs (the plugin's replace them)
         assert md.max_num_logprobs is None and not md.logprob_token_ids
+        assert self.topk_topp_sampler.logprobs_mode == "raw_logprobs"  # no log_softmax there
         lg.div_(md.temperature[:, None].clamp_min(1e-5))  # vLLM scales its input in place
         return SimpleNamespace(sampled_token_ids=sampled.view(-1, 1), logprobs_tensors=None)
 
     temps = torch.tensor([0.7, 0.0, 1.3, 0.7])
     md = _Metadata(max_num_logprobs=2, logprob_token_ids=None, temperature=temps)
-    sampler = SimpleNamespace(logprobs_mode="processed_logprobs")
+    sampler = SimpleNamespace(
+        logprobs_mode="processed_logprobs",
+        topk_topp_sampler=SimpleNamespace(logprobs_mode="processed_logprobs"),
+    )
     before = check.provenance_record()["executed"]["logp_calls"]
     with _NoHostReads():
         out = patches._make_sampler_forward(original)(sampler, logits.clone(), md)
@@ -298,6 +304,7 @@ def test_v1_sampler_wrapper_mixed_temperatures_no_host_reads():
         assert torch.equal(vals[i], ref)
         assert int(ranks[i]) == 1 + int((logits[i] > logits[i, sampled[i]]).sum())
     assert check.provenance_record()["executed"]["logp_calls"] == before + 1
+    assert sampler.topk_topp_sampler.logprobs_mode == "processed_logprobs"  # restored
     # raw mode: every row at temperature 1
     sampler.logprobs_mode = "raw_logprobs"
     out = patches._make_sampler_forward(original)(sampler, logits.clone(), md)

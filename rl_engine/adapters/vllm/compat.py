@@ -37,8 +37,10 @@ An untested version is refused by :func:`check_version` unless the configuration
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -254,6 +256,25 @@ def without_logprobs(sampling_metadata: Any) -> Any:
     plugin computes the log-probs itself, and vLLM's own (a full-vocabulary ``log_softmax``, the
     top-k gather and the rank count) would be thrown away."""
     return dataclasses.replace(sampling_metadata, max_num_logprobs=None, logprob_token_ids=None)
+
+
+@contextlib.contextmanager
+def sampling_only(sampler: Any) -> Iterator[None]:
+    """The V1 ``Sampler``'s top-k / top-p sampler without its processed log-probs for the span
+    of one call: in ``processed_logprobs`` mode vLLM's native top-k / top-p path (0.24 and 0.32,
+    ``TopKTopPSampler.forward_native``) takes a full-vocabulary ``log_softmax`` whether or not
+    log-probs were asked for; the mode only picks that return value (the sampled tokens come from
+    the softmax either way), and the plugin computes the log-probs itself."""
+    inner = getattr(sampler, "topk_topp_sampler", None)
+    mode = getattr(inner, "logprobs_mode", None)
+    if mode is None:
+        yield
+        return
+    inner.logprobs_mode = "raw_logprobs"
+    try:
+        yield
+    finally:
+        inner.logprobs_mode = mode
 
 
 def v2_sampler_class() -> Any:

@@ -324,13 +324,14 @@ def _make_sampler_forward(original):
         # before the sampler, which scales its input in place
         z = scaled_logits(logits, _device_temperatures(logits, sampling_metadata, mode))
         # the stock sampler only samples (its log-probs would be replaced below)
-        out = original(
-            self,
-            logits,
-            compat.without_logprobs(sampling_metadata),
-            predict_bonus_token,
-            logprobs_mode_override,
-        )
+        with compat.sampling_only(self):
+            out = original(
+                self,
+                logits,
+                compat.without_logprobs(sampling_metadata),
+                predict_bonus_token,
+                logprobs_mode_override,
+            )
         out.logprobs_tensors = rl_engine_logprobs(z, out.sampled_token_ids[:, 0], num_logprobs)
         return out
 

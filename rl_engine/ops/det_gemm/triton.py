@@ -422,7 +422,8 @@ if triton is not None:
         total = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
         for c0 in range(t_begin, t_end, CHUNK):
             part = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
-            for t0 in range(c0, c0 + CHUNK, BLOCK_T):
+            # steps past the last token would add exact zeros: the chunk stops at T
+            for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
                 t = t0 + rt
                 a_t = tl.load(
                     a_ptr + t[None, :] * stride_at + ro_c[:, None] * stride_ak,
