@@ -25,7 +25,9 @@ rounding are its own). bf16 operands, which the interpreter stores as raw ``uint
 multiplies as integers, are decoded to their values here; fp8 operands are refused.
 
 The dot is swapped in only while a kernel launched by rl_engine runs (:class:`FixedOrderKernel`),
-so kernels of other libraries in the same process keep the interpreter's own.
+so kernels of other libraries in the same process keep the interpreter's own. So is the fast path
+of declared sum reductions (:func:`sequential_sum_combiner`), which changes the interpreter's
+speed, not its bits.
 """
 
 from __future__ import annotations
@@ -78,6 +80,44 @@ def fixed_order_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray
     return out
 
 
+# ``tl.reduce`` combine functions (their Python ``fn``) that return ``acc_j + x_j`` for each
+# operand j: see :func:`sequential_sum_combiner`.
+_SUM_COMBINERS: set[Any] = set()
+
+
+def sequential_sum_combiner(jit_fn: Any) -> Any:
+    """Declare the ``@triton.jit`` combine function ``jit_fn(acc_0, .., acc_n, x_0, .., x_n)`` of a
+    ``tl.reduce`` to return ``(acc_0 + x_0, .., acc_n + x_n)``.
+
+    Triton's interpreter reduces with a custom combine function one element at a time in Python
+    (``ReduceOps.generic_reduce``: left to right, ``acc = combine(acc, x[i])`` in the operands'
+    dtype), about 0.1 ms per element. For a declared sum the interpreter (inside rl_engine's
+    launches) takes ``numpy.add.accumulate`` along the axis instead: the same left-to-right
+    sequence of IEEE additions in the same dtype, so the same bits, thousands of times faster
+    (``tests/ops/test_host_independence.py`` compares the two)."""
+    _SUM_COMBINERS.add(getattr(jit_fn, "fn", jit_fn))
+    return jit_fn
+
+
+def _sequential_sum_reduce(self: Any, input: Any) -> Any:
+    """``ReduceOps.generic_reduce`` for a declared sum: ``np.add.accumulate``'s last element."""
+    fn = getattr(self.combine_fn, "fn", self.combine_fn)
+    if fn not in _SUM_COMBINERS or self.axis is None:
+        return _ORIGINAL_GENERIC_REDUCE[0](self, input)
+    out = []
+    for arg in input:
+        data = arg.handle.data
+        n = data.shape[self.axis]
+        total = np.take(np.add.accumulate(data, axis=self.axis, dtype=data.dtype), n - 1, self.axis)
+        if self.keep_dims:
+            total = np.expand_dims(total, self.axis)
+        out.append(self.to_tensor(np.ascontiguousarray(total), arg.dtype))
+    return out
+
+
+_ORIGINAL_GENERIC_REDUCE: list[Any] = []
+
+
 def _create_dot(a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
     """Drop-in for ``InterpreterBuilder.create_dot`` (same arguments, TensorHandle result)."""
     from triton.runtime.interpreter import TensorHandle
@@ -99,7 +139,11 @@ class _DotSwap:
 
         _lock.acquire()
         if _DotSwap._depth == 0:
+            from triton.runtime.interpreter import ReduceOps
+
             interpreter_builder.create_dot = _create_dot  # instance attribute shadows the method
+            _ORIGINAL_GENERIC_REDUCE.append(ReduceOps.generic_reduce)
+            ReduceOps.generic_reduce = _sequential_sum_reduce
         _DotSwap._depth += 1
 
     def __exit__(self, *exc: Any) -> None:
@@ -107,7 +151,10 @@ class _DotSwap:
 
         _DotSwap._depth -= 1
         if _DotSwap._depth == 0:
+            from triton.runtime.interpreter import ReduceOps
+
             del interpreter_builder.create_dot
+            ReduceOps.generic_reduce = _ORIGINAL_GENERIC_REDUCE.pop()
         _lock.release()
 
 

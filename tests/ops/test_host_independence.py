@@ -151,6 +151,68 @@ def test_triton_dot_is_swapped_only_during_rl_engine_launches():
     assert "create_dot" not in vars(interpreter_builder)
 
 
+@triton.jit
+def _pair_sum(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _pair_first(a0, b0, a1, b1):  # not a sum: always the interpreter's own element loop
+    return a0, b0 + b1
+
+
+@triton.jit
+def _pair_reduce_kernel(
+    x_ptr, y_ptr, s_ptr, t_ptr, R: tl.constexpr, H: tl.constexpr, SUM: tl.constexpr
+):
+    offs = tl.arange(0, R)[:, None] * H + tl.arange(0, H)[None, :]
+    x = tl.load(x_ptr + offs)
+    y = tl.load(y_ptr + offs)
+    if SUM:
+        s, t = tl.reduce((x * x, x * y), 1, _pair_sum)
+    else:
+        s, t = tl.reduce((x * x, x * y), 1, _pair_first)
+    tl.store(s_ptr + tl.arange(0, R), s)
+    tl.store(t_ptr + tl.arange(0, R), t)
+
+
+_interpret.sequential_sum_combiner(_pair_sum)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_interpreted_sum_reduce_fast_path_keeps_the_bits(dtype):
+    """A declared sum combine (rms_norm's joint row sums) reduces through numpy's accumulate in
+    rl_engine's launches: bitwise what Triton's own element-by-element interpreter loop gives."""
+    from triton.runtime.interpreter import InterpretedFunction, ReduceOps
+
+    from rl_engine.ops import _triton
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 256, generator=g) * 30).to(dtype)
+    y = (torch.randn(4, 256, generator=g) * 30).to(dtype)
+
+    def run(kern, sum_: bool):
+        s = torch.empty(4, dtype=dtype)
+        t = torch.empty(4, dtype=dtype)
+        kern[(1,)](x, y, s, t, R=4, H=256, SUM=sum_)
+        return s, t
+
+    generic = ReduceOps.generic_reduce
+    fast = run(_triton.interpreted(_pair_reduce_kernel, x.device), True)
+    assert ReduceOps.generic_reduce is generic  # restored after the launch
+    slow = run(InterpretedFunction(_pair_reduce_kernel.fn), True)  # Triton's own path
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    # the order is the sequential one, not numpy's pairwise sum
+    want = x[0, 0] * x[0, 0]
+    for i in range(1, 256):
+        want = want + x[0, i] * x[0, i]
+    assert torch.equal(fast[0][0], want)
+    # a combine that is not declared takes the interpreter's loop
+    other = run(_triton.interpreted(_pair_reduce_kernel, x.device), False)
+    assert torch.equal(other[0], x[:, 0] * x[:, 0])
+
+
 def test_fp8_operands_are_refused():
     with pytest.raises(NotImplementedError, match="fp8"):
         _interpret._values(np.zeros(4, np.uint8), tl.float8e4nv)

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.ops import _interpret
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.rms_norm.reference import _check
@@ -286,6 +287,8 @@ if triton is not None:
     @triton.jit
     def _sum_pair(a0, b0, a1, b1):
         return a0 + a1, b0 + b1
+
+    _interpret.sequential_sum_combiner(_sum_pair)  # (interpreter speed only)
 
     @triton.jit
     def _bwd_rows(x32, dy, w, eps, H: tl.constexpr, HAS_W: tl.constexpr):
