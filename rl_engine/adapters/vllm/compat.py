@@ -250,6 +250,15 @@ def logprobs_tensors(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor)
     return LogprobsTensors(ids, vals, ranks)
 
 
+def sampler_keeps_input(logits: torch.Tensor) -> bool:
+    """Whether vLLM's samplers leave their ``logits`` argument untouched: the V1
+    ``Sampler.forward`` (0.24, 0.32) converts them with ``logits.to(torch.float32)`` before any
+    in-place step (temperature, penalties, top-k / top-p masks), a new tensor unless they
+    already are fp32; the V2 sampler copies them into a new fp32 tensor first. So model-dtype
+    (bf16 / fp16) logits need no copy; fp32 ones are cloned by the caller."""
+    return logits.dtype != torch.float32
+
+
 def without_logprobs(sampling_metadata: Any) -> Any:
     """A copy of a V1 ``SamplingMetadata`` that asks for no log-probs (0.24 and 0.32: a dataclass
     with ``max_num_logprobs`` / ``logprob_token_ids``), so the stock sampler only samples: the

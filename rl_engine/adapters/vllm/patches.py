@@ -261,39 +261,34 @@ def _host_temperatures(temps: list[float], device: torch.device) -> torch.Tensor
     return t.to(device)
 
 
-def scaled_logits(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """``z = logits.float() / temps[:, None]``: a new fp32 tensor (IEEE division per element).
-
-    ``logp(z, token, 1.0)`` is bitwise ``logp(logits, token, t)`` for a row of temperature ``t``:
-    ``logp`` starts with exactly this division by the fp32 temperature, and dividing ``z`` by 1
-    is exact. So rows of mixed temperatures need one ``logp`` launch, and the result is a copy
-    that the sampler's in-place scaling cannot touch.
-    """
-    return logits.float() / temps[:, None]
-
-
-def rl_engine_logprobs(z: torch.Tensor, sampled: torch.Tensor, num_logprobs: int):
+def rl_engine_logprobs(
+    logits: torch.Tensor, temps: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+):
     """vLLM's ``LogprobsTensors`` (sampled token first, then the top ``num_logprobs``) from the
-    scaled logits ``z`` (:func:`scaled_logits`).
+    model's ``logits`` as the sampler received them and the rows' fp32 ``temps``.
 
-    Every value is ``rl_engine.ops.logp(logits, token, temperature)`` of the row; the top-k
-    tokens are the largest ``z`` of the row (the log-prob order); the rank of the sampled token
-    is ``1 + #(z > z[token])``, as vLLM counts it on its processed log-probs. Bumps the
-    executed-use counter of the routed log-prob path. Nothing here reads device data on the host.
+    Every value is bitwise ``rl_engine.ops.logp(logits, token, temperature)`` of the row
+    (:func:`rl_engine.ops.logp.sampled_logp`: one pass over the model-dtype logits for the
+    sampled token's log-prob, the row's log-sum-exp and the rank ``1 + #(z > z[token])`` of
+    the scaled logits ``z``, as vLLM counts it); the top-k tokens are the row's largest logits
+    (dividing by the row's temperature keeps their order), their values
+    ``logits / T - lse`` (:func:`rl_engine.ops.logp.logp_at`, the last step of ``logp``).
+    Bumps the executed-use counter of the routed log-prob path. Nothing here reads device
+    data on the host.
     """
     from rl_engine.adapters.vllm import check, compat
-    from rl_engine.ops import logp
+    from rl_engine.ops.logp import logp_at, sampled_logp
 
-    sampled = sampled.long()
-    cols = [sampled]
+    # the ids were sampled from these logits: no range check (4 launches and a device assert)
+    lp, lse, ranks = sampled_logp(logits, sampled, temps, check_range=False)
+    ids = sampled.reshape(-1, 1).to(torch.int32)
+    vals = lp[:, None]
     if num_logprobs > 0:
-        cols.extend(torch.topk(z, num_logprobs, dim=-1).indices.unbind(1))
-    ids = torch.stack(cols, dim=1)
-    vals = torch.stack([logp(z, c, 1.0) for c in cols], dim=1)
-    chosen = z.gather(1, sampled[:, None])
-    ranks = (z > chosen).sum(-1) + 1
-    check.record_routed_logp(int(z.shape[0]))
-    return compat.logprobs_tensors(ids.to(torch.int32), vals, ranks)
+        top = torch.topk(logits, num_logprobs, dim=-1).indices
+        ids = torch.cat([ids, top.to(torch.int32)], dim=1)
+        vals = torch.cat([vals, logp_at(logits, top, temps, lse)], dim=1)
+    check.record_routed_logp(int(logits.shape[0]))
+    return compat.logprobs_tensors(ids, vals, ranks)
 
 
 def _unsupported_logprobs(what: str) -> NotImplementedError:
@@ -321,8 +316,9 @@ def _make_sampler_forward(original):
             raise _unsupported_logprobs(
                 "full-vocabulary log-probs (logprobs=-1) and logprob_token_ids"
             )
-        # before the sampler, which scales its input in place
-        z = scaled_logits(logits, _device_temperatures(logits, sampling_metadata, mode))
+        temps = _device_temperatures(logits, sampling_metadata, mode)
+        # the logits as received: the stock sampler scales its fp32 working copy in place
+        kept = logits if compat.sampler_keeps_input(logits) else logits.clone()
         # the stock sampler only samples (its log-probs would be replaced below)
         with compat.sampling_only(self):
             out = original(
@@ -332,7 +328,9 @@ def _make_sampler_forward(original):
                 predict_bonus_token,
                 logprobs_mode_override,
             )
-        out.logprobs_tensors = rl_engine_logprobs(z, out.sampled_token_ids[:, 0], num_logprobs)
+        out.logprobs_tensors = rl_engine_logprobs(
+            kept, temps, out.sampled_token_ids[:, 0], num_logprobs
+        )
         return out
 
     return forward
@@ -358,10 +356,11 @@ def _make_sampler_v2_call(original):
                 "logit rows per request) are not routed"
             )
         temps = _temps_for([float(t) for t in raw_temps], mode)  # host values (numpy)
-        z = scaled_logits(logits, _host_temperatures(temps, logits.device))
+        temps_dev = _host_temperatures(temps, logits.device)
+        kept = logits if compat.sampler_keeps_input(logits) else logits.clone()
         out = original(self, logits, input_batch)
         sampled = out.sampled_token_ids.reshape(-1)
-        out.logprobs_tensors = rl_engine_logprobs(z, sampled, max(num_logprobs, 0))
+        out.logprobs_tensors = rl_engine_logprobs(kept, temps_dev, sampled, max(num_logprobs, 0))
         return out
 
     return __call__

@@ -13,7 +13,7 @@ from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
-__all__ = ["logp"]
+__all__ = ["logp", "logp_at", "sampled_logp"]
 
 
 @torch.library.custom_op("rl_engine::logp", mutates_args=())
@@ -100,6 +100,44 @@ def logp(
     return _entry(logits, tokens, temperature, provider=provider)
 
 
+def sampled_logp(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    backend: str | None = None,
+    check_range: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rollout's sampled-token log-probs: ``(logp, lse, rank)`` per row, no gradient.
+
+    Row ``t`` of ``logp`` is bitwise ``logp(logits[t:t+1], tokens[t:t+1], temperatures[t])``
+    (the same provider and numerics family), ``lse`` its log-sum-exp and ``rank`` (int64) is
+    ``1 + #(z > z[token])`` over the row's scaled logits ``z = logits / temperature`` (vLLM's
+    rank). On the Triton provider: one pass over the model-dtype logits, no fp32 copy.
+
+    Args:
+        logits: [T, V] float32 / bfloat16 / float16.
+        tokens: [T] int64 / int32 ids in ``[0, V)``.
+        temperatures: fp32 [T] on the logits' device, each finite and > 0 (not checked on the
+            host: that would synchronise the stream).
+        backend: pin a provider for this call (raises when it cannot run).
+        check_range: check that the ids lie in ``[0, V)`` (on an accelerator a device-side
+            assert; on the CPU a host read). ``False`` for ids a sampler drew from these logits.
+    """
+    check_tensor("logits", logits)
+    reference._check(logits, tokens, 1.0)
+    if check_range:
+        reference.check_token_range(tokens, logits.shape[1])
+    provider = resolve_provider("logp", logits.device.type, backend)
+    fn = KernelRegistry.provider("logp", provider).extras.get("sampled")
+    if fn is None:
+        raise NotImplementedError(f"logp provider {provider!r} has no per-row-temperature path")
+    with torch.no_grad():
+        return fn(logits, tokens, temperatures)
+
+
+logp_at = reference.logp_at
+
 KernelRegistry.register_op("logp", entry=_entry, reference=reference.logp)
 KernelRegistry.register_provider(
     Provider(
@@ -110,7 +148,11 @@ KernelRegistry.register_provider(
         invariant=True,
         numerics=f"logp/native-v{reference.VOCAB_TILE}",
         fn=reference.logp,
-        extras={"forward": reference.logp_forward, "backward": reference.logp_backward},
+        extras={
+            "forward": reference.logp_forward,
+            "backward": reference.logp_backward,
+            "sampled": reference.sampled_forward,
+        },
     )
 )
 KernelRegistry.register_provider(
@@ -122,7 +164,11 @@ KernelRegistry.register_provider(
         invariant=False,
         numerics="logp/stock-torch",
         fn=stock.logp,
-        extras={"forward": stock.logp_forward, "backward": stock.logp_backward},
+        extras={
+            "forward": stock.logp_forward,
+            "backward": stock.logp_backward,
+            "sampled": stock.sampled_forward,
+        },
     )
 )
 

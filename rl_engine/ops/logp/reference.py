@@ -233,6 +233,53 @@ def logp_backward(
     return out
 
 
+def check_row_temperatures(logits: torch.Tensor, temperatures: Any) -> None:
+    """Raise unless ``temperatures`` is an fp32 [T] tensor on the logits' device (its values,
+    which must be finite and > 0, stay on the device: checking them would synchronise)."""
+    check_tensor("temperatures", temperatures, dims=1)
+    if temperatures.dtype != torch.float32:
+        raise TypeError(f"temperatures: dtype {temperatures.dtype}; expected float32")
+    if temperatures.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"temperatures has {temperatures.shape[0]} elements, expected one per row "
+            f"({logits.shape[0]})"
+        )
+    check_same_device(logits=logits, temperatures=temperatures)
+
+
+def logp_at(
+    logits: torch.Tensor, cols: torch.Tensor, temperatures: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """``logp`` of the token ids ``cols`` [T, k] given each row's ``lse`` (fp32 [T]) at the
+    row's temperature: ``logits[t, c] / temperatures[t] - lse[t]``, fp32 [T, k] (the last step
+    of :func:`logp_forward`, elementwise)."""
+    z = scale(logits.gather(1, cols.long()), temperatures[:, None])
+    return z - lse[:, None]
+
+
+def sampled_forward(
+    logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, rank)`` of each row's token at the row's own temperature.
+
+    Row ``t`` of ``logp`` / ``lse`` has the bits of ``logp_forward(logits[t:t+1], tokens[t:t+1],
+    temperatures[t])`` (the same division, by a tensor, then the same tiles); ``rank`` (int64) is
+    ``1 + #(z > z[token])`` over the row's scaled logits ``z``. No gradient.
+    """
+    _check(logits, tokens, 1.0)
+    check_row_temperatures(logits, temperatures)
+    temp = temperatures[:, None]
+    state = VocabLogSumExp(logits.shape[0], logits.device, with_entropy=False)
+    state.add(logits, temp)
+    lse = state.lse()
+    lp = logp_at(logits, tokens[:, None], temperatures, lse)[:, 0]
+    zt = scale(logits.gather(1, tokens.long()[:, None]), temp)
+    rank = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for c0 in range(0, logits.shape[1], VOCAB_TILE):
+        rank += (scale(logits[:, c0 : c0 + VOCAB_TILE], temp) > zt).sum(1)
+    return lp, lse, rank + 1
+
+
 def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of ``tokens`` under ``softmax(logits / temperature)``.
 

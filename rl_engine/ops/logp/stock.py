@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops.logp.reference import _check, check_token_range
+from rl_engine.ops.logp.reference import _check, check_row_temperatures, check_token_range
 
 
 def logp_forward(
@@ -40,3 +40,15 @@ def logp_backward(
 def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``torch.log_softmax(logits.float() / temperature, -1)`` at ``tokens`` (fp32 [T])."""
     return logp_forward(logits, tokens, temperature)[0]
+
+
+def sampled_forward(
+    logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, rank)`` at per-row temperatures with torch's own reductions."""
+    _check(logits, tokens, 1.0)
+    check_row_temperatures(logits, temperatures)
+    z = logits.float() / temperatures[:, None]
+    lse = torch.logsumexp(z, dim=-1)
+    zt = z.gather(1, tokens.long()[:, None])
+    return zt[:, 0] - lse, lse, (z > zt).sum(-1) + 1

@@ -63,6 +63,7 @@ __all__ = [
     "logp",
     "logp_backward",
     "logp_forward",
+    "sampled_forward",
     "vocab_backward",
     "vocab_forward",
 ]
@@ -99,18 +100,37 @@ if triton is not None:
         stride_t,
         stride_v,
         temp,
+        temp_ptr,
+        tok_ptr,
+        cnt_ptr,
         WITH_ENT: tl.constexpr,
+        ROW_TEMP: tl.constexpr,
+        RANK: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,
         SEG: tl.constexpr,
     ):
         # part[row, seg] = (m, s, u) of the segment's columns (lane sums, then one tree).
+        # ROW_TEMP: the row's fp32 temperature from temp_ptr (else the scalar temp); the same
+        # IEEE division either way. RANK: cnt[row, seg] = #(z > z[token]) in the segment.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         seg = tl.program_id(1)
         rmask = rows < T
         cols = tl.arange(0, BLOCK)
         base = x_ptr + rows[:, None] * stride_t
+        if ROW_TEMP:
+            t_row = tl.load(temp_ptr + rows, mask=rmask, other=1.0)[:, None]
+        else:
+            t_row = temp
+        if RANK:
+            tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            xt = tl.load(x_ptr + rows * stride_t + tok * stride_v, mask=rmask, other=0.0)
+            if ROW_TEMP:
+                zt = tl.div_rn(xt.to(tl.float32)[:, None], t_row)
+            else:
+                zt = tl.div_rn(xt.to(tl.float32), temp)[:, None]
+            cnt = tl.zeros((ROWS, BLOCK), dtype=tl.int32)
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         s = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         u = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -120,7 +140,9 @@ if triton is not None:
             c = c0 + cols
             msk = rmask[:, None] & (c < c_end)[None, :]
             x = tl.load(base + c[None, :].to(tl.int64) * stride_v, mask=msk, other=float("-inf"))
-            z = tl.div_rn(x.to(tl.float32), temp)
+            z = tl.div_rn(x.to(tl.float32), t_row)
+            if RANK:
+                cnt += (z > zt).to(tl.int32)  # masked columns read -inf: never counted
             m_new = tl.maximum(m, tl.max(z, axis=1))
             # rows that have seen only -inf so far: shift by 0 (no -inf - -inf)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -139,6 +161,8 @@ if triton is not None:
         tl.store(p + 1, s_tot, mask=rmask)
         if WITH_ENT:
             tl.store(p + 2, _tree_sum_rows(u, ROWS, BLOCK, LOG_BLOCK), mask=rmask)
+        if RANK:  # integer counts: exact in any order
+            tl.store(cnt_ptr + rows * n_seg + seg, tl.sum(cnt, axis=1), mask=rmask)
 
     @triton.jit
     def _vocab_combine_kernel(
@@ -153,13 +177,28 @@ if triton is not None:
         stride_t,
         stride_v,
         temp,
+        temp_ptr,
+        cnt_ptr,
+        rank_ptr,
         WITH_TOK: tl.constexpr,
         WITH_ENT: tl.constexpr,
+        ROW_TEMP: tl.constexpr,
+        RANK: tl.constexpr,
         ROWS: tl.constexpr,
     ):
-        # Segments combined in order (one lane per row); then lse, entropy, logp.
+        # Segments combined in order (one lane per row); then lse, entropy, logp (and, with
+        # RANK, rank = 1 + the segments' counts, int64).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         rmask = rows < T
+        if ROW_TEMP:
+            t_row = tl.load(temp_ptr + rows, mask=rmask, other=1.0)
+        else:
+            t_row = temp
+        if RANK:
+            above = tl.zeros((ROWS,), dtype=tl.int64)
+            for j in range(0, n_seg):
+                above += tl.load(cnt_ptr + rows * n_seg + j, mask=rmask, other=0).to(tl.int64)
+            tl.store(rank_ptr + rows, above + 1, mask=rmask)
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         s = tl.zeros((ROWS,), dtype=tl.float32)
         u = tl.zeros((ROWS,), dtype=tl.float32)
@@ -184,9 +223,9 @@ if triton is not None:
         if WITH_ENT:
             tl.store(ent_ptr + rows, log_s - tl.div_rn(u, s), mask=rmask)
         if WITH_TOK:
-            tok = tl.load(tok_ptr + rows, mask=rmask, other=0)
+            tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
             xt = tl.load(x_ptr + rows * stride_t + tok * stride_v, mask=rmask, other=0.0)
-            zt = tl.div_rn(xt.to(tl.float32), temp)
+            zt = tl.div_rn(xt.to(tl.float32), t_row)
             tl.store(logp_ptr + rows, zt - lse, mask=rmask)
 
     @triton.jit
@@ -270,12 +309,18 @@ def vocab_forward(
     out_logp: torch.Tensor | None = None,
     out_ent: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    row_temperatures: torch.Tensor | None = None,
+    out_rank: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Shared forward: ``(logp, entropy, lse)`` fp32 [T] of ``logits`` [T, V] (module doc).
 
     ``logp`` is ``None`` without ``tokens``, ``entropy`` is ``None`` unless ``with_entropy``.
     ``out_*`` are optional contiguous fp32 [T] destinations (``linear_logp`` writes its token
-    chunks into slices of its outputs). No input checks: the callers check.
+    chunks into slices of its outputs). ``row_temperatures`` (contiguous fp32 [T], on the
+    logits' device) replaces ``temperature`` row by row: the same IEEE division, so row ``i``
+    has the bits of a call at ``temperature = row_temperatures[i]``. ``out_rank`` (contiguous
+    int64 [T], needs ``tokens``) receives ``1 + #(z > z[token])`` per row, counted in the same
+    pass. No input checks: the callers check.
     """
     n, vocab = logits.shape
     dev = logits.device
@@ -292,7 +337,12 @@ def vocab_forward(
     n_seg = _tr.cdiv(vocab, SEGMENT)
     rows = _rows_per_program(logits)
     part = torch.empty((n, n_seg, 3), dtype=f32, device=dev)
-    tok = tokens.long().contiguous() if tokens is not None else lse  # the kernel reads tok[row]
+    # dummies for the pointers a launch does not read (the kernels' constexpr flags say which)
+    tok = tokens.contiguous() if tokens is not None else lse  # the kernel reads tok[row]
+    row_temp = row_temperatures is not None
+    rank = out_rank is not None
+    temps = row_temperatures if row_temp else lse
+    cnt = torch.empty((n, n_seg), dtype=torch.int32, device=dev) if rank else lse
     temp = float(temperature)
     with _guard(logits):
         _kernel("_vocab_partial_kernel", dev)[(_tr.cdiv(n, rows), n_seg)](
@@ -304,7 +354,12 @@ def vocab_forward(
             logits.stride(0),
             logits.stride(1),
             temp,
+            temps,
+            tok,
+            cnt,
             WITH_ENT=with_entropy,
+            ROW_TEMP=row_temp,
+            RANK=rank,
             ROWS=rows,
             BLOCK=VOCAB_TILE,
             LOG_BLOCK=_LOG_TILE,
@@ -323,8 +378,13 @@ def vocab_forward(
             logits.stride(0),
             logits.stride(1),
             temp,
+            temps,
+            cnt,
+            out_rank if rank else lse,
             WITH_TOK=tokens is not None,
             WITH_ENT=with_entropy,
+            ROW_TEMP=row_temp,
+            RANK=rank,
             ROWS=_COMBINE_ROWS,
             num_warps=_NUM_WARPS,
         )
@@ -402,6 +462,29 @@ def logp_forward(
     return lp, lse
 
 
+def sampled_forward(
+    logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, rank)`` of each row's token at the row's own temperature, in one pass over
+    the logits (two launches): the bits of :func:`logp_forward` at ``temperatures[t]`` for row
+    ``t``, and ``rank = 1 + #(z > z[token])`` (int64) counted in the same tiles.
+    ``temperatures``: fp32 [T] on the logits' device (the rollout's per-request values)."""
+    reference._check(logits, tokens, 1.0)
+    reference.check_row_temperatures(logits, temperatures)
+    check_device(logits, "logp")
+    rank = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    lp, _, lse = vocab_forward(
+        logits,
+        tokens,
+        1.0,
+        with_entropy=False,
+        row_temperatures=temperatures.contiguous(),
+        out_rank=rank,
+    )
+    assert lp is not None
+    return lp, lse, rank
+
+
 def logp_backward(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -445,5 +528,5 @@ PROVIDER = Provider(
     fn=logp,
     version="1",
     available=available,
-    extras={"forward": logp_forward, "backward": logp_backward},
+    extras={"forward": logp_forward, "backward": logp_backward, "sampled": sampled_forward},
 )
