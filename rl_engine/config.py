@@ -18,6 +18,10 @@ Variables:
     RL_ENGINE_PROVENANCE_DIR: folder where adapters write the registry report of their process.
     RL_ENGINE_CHECK_LAUNCH: ``1`` makes every cached Triton launch also ask Triton which compiled
         kernel its own argument binding picks and raise if the cache picked another (tests).
+    RL_ENGINE_DEVICE_CHECKS: ``1`` queues device-side asserts on index inputs whose check on
+        the host would synchronise the stream (``write_kv_cache`` slots on a GPU); off by
+        default (a few launches per call); the GPU test script turns it on. The Triton kernel
+        never writes outside the cache either way.
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -44,6 +48,7 @@ class Settings:
     provenance_dir: str | None = None
     triton_interpret: bool = False
     check_launch: bool = False
+    device_checks: bool = False
 
     def pin_for(self, op_type: str) -> str | None:
         """The provider pinned for ``op_type`` by configuration, or ``None``."""
@@ -69,6 +74,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         provenance_dir=environ.get(_PREFIX + "PROVENANCE_DIR") or None,
         triton_interpret=environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE,
         check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
+        device_checks=environ.get(_PREFIX + "DEVICE_CHECKS", "0").strip().lower() in _TRUE,
     )
 
 

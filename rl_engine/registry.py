@@ -276,6 +276,12 @@ class KernelRegistry:
         spec = cls._spec(op_type)
         dev = _device_key(device)
         settings = config.settings()
+        for name in settings.op_backends:  # a misspelt pin would otherwise be ignored
+            if name not in _OP_MODULES:
+                raise UnknownOpError(
+                    f"RL_ENGINE_BACKEND_{name.upper()} pins {name!r}, which is no op; known "
+                    f"ops: {', '.join(cls.known_ops())} (e.g. RL_ENGINE_BACKEND_DET_GEMM)"
+                )
         interp = settings.triton_interpret
         with cls._lock:
             pin = backend if backend is not None else settings.pin_for(op_type)

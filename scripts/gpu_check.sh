@@ -19,6 +19,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# device-side asserts on index inputs (write_kv_cache slots) while testing
+export RL_ENGINE_DEVICE_CHECKS=${RL_ENGINE_DEVICE_CHECKS:-1}
 unset TRITON_INTERPRET
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"

@@ -75,6 +75,14 @@ def test_pin_from_environment(monkeypatch):
         KernelRegistry.get_op("det_gemm", device="cpu")
 
 
+def test_pin_of_an_unknown_op_is_refused(monkeypatch):
+    # a misspelt op name (DETGEMM for DET_GEMM) must not be ignored without a word
+    monkeypatch.setenv("RL_ENGINE_BACKEND_DETGEMM", "triton")
+    config.reload()
+    with pytest.raises(UnknownOpError, match="RL_ENGINE_BACKEND_DETGEMM.*known ops"):
+        KernelRegistry.get_op("logp", device="cpu")
+
+
 def test_bad_mode_in_environment(monkeypatch):
     monkeypatch.setenv("RL_ENGINE_MODE", "lenient")
     with pytest.raises(ValueError, match="RL_ENGINE_MODE"):

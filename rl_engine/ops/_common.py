@@ -40,6 +40,25 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
         raise TypeError(f"expected one dtype, got {desc}")
 
 
+def as_bool_mask(op: str, mask: torch.Tensor) -> torch.Tensor:
+    """A public entry's mask as bool: bool as is; numbers must be 0 or 1 (a 2.0 or a -1 is a bug
+    upstream, e.g. a summed or shifted mask, not a real token). On the CPU the values are
+    checked at once; on an accelerator a device-side assert is queued (a host check would
+    synchronise the stream): a bad value then fails the stream instead of giving a silent
+    result."""
+    if mask.dtype == torch.bool:
+        return mask
+    ok_vals = (mask == 0) | (mask == 1)
+    msg = f"{op}: a numeric mask must hold 0 or 1 only (dtype {mask.dtype})"
+    if mask.device.type == "cpu":
+        if not bool(ok_vals.all()):
+            bad = mask[~ok_vals].flatten()[:3].tolist()
+            raise ValueError(f"{msg}; found {bad}")
+    elif mask.numel():
+        torch._assert_async(ok_vals.all(), msg)
+    return mask != 0
+
+
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over ``dim`` in a fixed pairwise order that depends only on ``x.shape[dim]``.
 

@@ -238,6 +238,13 @@ def test_errors(models, ckpts, tmp_path):
         ha.token_logprobs(model, ids.float())
     with pytest.raises(ValueError, match="attention_mask shape"):
         ha.token_logprobs(model, ids, attention_mask=torch.ones(2, 5))
+    bad = ids.clone()
+    bad[1, 3] = model.get_input_embeddings().weight.shape[0]  # one past the vocabulary
+    with pytest.raises(ValueError, match=r"input_ids: token ids must lie in \[0, "):
+        ha.token_logprobs(model, bad)
+    # int64 cu_seqlens are taken as they are (converted)
+    packed = ha.token_logprobs(model, ids.reshape(-1), cu_seqlens=torch.tensor([0, 6, 12]))
+    assert packed.shape == (11,)
     stock = _load(ckpts[("llama", "float32", False)], "float32", patch=False)
     with pytest.raises(ha.UnsupportedModelError, match="patch_model"):
         ha.token_logprobs(stock, ids)

@@ -226,6 +226,21 @@ def test_write_kv_cache_exact(case):
     assert bool((kc.reshape(64, 2, 32)[untouched] == 7.0).all()), "other slots were modified"
 
 
+def test_write_kv_cache_slot_out_of_range_is_refused(case):
+    """Slot 99 of a 64-slot cache: refused by every provider (on the CPU at once, on a GPU by a
+    device-side assert with RL_ENGINE_DEVICE_CHECKS=1); the cache is never written outside."""
+    device, backend, dtype = case
+    if device != "cpu":
+        pytest.skip("a device-side assert poisons the CUDA context; the CPU check is the test")
+    k = torch.ones(2, 2, 32, dtype=dtype)
+    kc = torch.zeros(4, 16, 2, 32, dtype=dtype)
+    vc = kc.clone()
+    for bad in ([3, 99], [3, -2]):
+        with pytest.raises(ValueError, match="slots must be -1"):
+            write_kv_cache(k, k, kc, vc, torch.tensor(bad), backend=backend)
+    assert not kc.any() and not vc.any()
+
+
 def test_paged_padding_tokens_are_zero(case):
     """Tokens after query_start_loc[-1] (CUDA-graph padding) are ignored and left zero."""
     device, backend, dtype = case
@@ -320,7 +335,7 @@ _Q, _K, _V, _CU = _ok()
         (dict(k=_K[:, :1].expand(7, 3, 16), v=_V[:, :1].expand(7, 3, 16)), ValueError, "multiple"),
         (dict(k=_K[..., :8], v=_V[..., :8]), ValueError, "head_dim"),
         (dict(k=_K[:5], v=_V[:5]), ValueError, "tokens"),
-        (dict(cu_seqlens=_CU.long()), TypeError, "cu_seqlens"),
+        (dict(cu_seqlens=_CU.float()), TypeError, "cu_seqlens"),
         (dict(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError, "cu_seqlens"),
         (dict(cu_seqlens=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError, "decreas"),
         (dict(q=_Q[0]), ValueError, "dims"),
@@ -338,6 +353,13 @@ _Q, _K, _V, _CU = _ok()
 def test_attention_errors(over, exc, match):
     with pytest.raises(exc, match=match):
         attention(**_attn_args(**over), backend="native")
+
+
+def test_int64_cu_seqlens_are_taken():
+    args = _attn_args()
+    want = attention(**args, backend="native")
+    args["cu_seqlens"] = args["cu_seqlens"].long()
+    assert_bitwise(attention(**args, backend="native"), want, "int64 cu_seqlens")
 
 
 def _paged_args(**over):

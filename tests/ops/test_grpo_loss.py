@@ -386,3 +386,14 @@ _M = torch.ones(3, 4, dtype=torch.bool)
 def test_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         grpo_loss(*args, backend="native", **kwargs)
+
+
+def test_numeric_mask_must_be_zero_or_one():
+    lp, old, adv = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2)
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    ref, _ = grpo_loss(lp, old, adv, mask.bool())
+    got, _ = grpo_loss(lp, old, adv, mask)
+    assert_bitwise(got, ref, "0/1 integer mask")
+    mask[0, 0] = -1
+    with pytest.raises(ValueError, match="0 or 1.*-1"):
+        grpo_loss(lp, old, adv, mask)

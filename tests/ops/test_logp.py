@@ -180,9 +180,9 @@ def test_stock_only_in_audit_mode():
         ((torch.randn(3, 5), torch.zeros(3, dtype=torch.long), -1.0), ValueError, "> 0"),
         ((torch.randn(3, 5), torch.zeros(3, dtype=torch.long), math.inf), ValueError, "finite"),
         (
-            (torch.randn(3, 5), torch.zeros(3, dtype=torch.long), torch.tensor(1.0)),
+            (torch.randn(3, 5), torch.zeros(3, dtype=torch.long), torch.tensor([1.0, 2.0])),
             TypeError,
-            "Python float",
+            "Python float or a one-element",
         ),
         (([[1.0]], torch.zeros(1, dtype=torch.long)), TypeError, "Tensor"),
     ],
@@ -201,3 +201,25 @@ def test_self_test():
     from rl_engine.ops.logp import self_test
 
     self_test("cpu")
+
+
+def test_tensor_temperature_and_leading_dims(backend):
+    """Inputs users pass: a 0-d tensor temperature, [B, T, V] logits with [B, T] tokens."""
+    from rl_engine.ops import entropy
+
+    g = torch.Generator().manual_seed(5)
+    x = 3 * torch.randn(2, 3, VOCAB_TILE + 9, generator=g)
+    tok = torch.randint(0, x.shape[-1], (2, 3), generator=g)
+    flat = logp(x.reshape(6, -1), tok.reshape(6), 0.7, backend=backend)
+    got = logp(x, tok, torch.tensor(0.7), backend=backend)
+    assert got.shape == (2, 3)
+    assert_bitwise(got.reshape(6), flat, "[B, T, V] vs [B*T, V], tensor temperature")
+    ent = entropy(x, torch.tensor(0.7, dtype=torch.float64), backend=backend)
+    assert_bitwise(ent.reshape(6), entropy(x.reshape(6, -1), 0.7, backend=backend), "entropy")
+    xg = x.clone().requires_grad_(True)
+    logp(xg, tok, 0.7, backend=backend).sum().backward()
+    assert xg.grad.shape == x.shape
+    with pytest.raises(ValueError, match="leading shape"):
+        logp(x, tok.reshape(6), 0.7, backend=backend)
+    with pytest.raises(TypeError, match="one-element floating tensor"):
+        logp(x, tok, torch.tensor([0.7, 0.8]), backend=backend)

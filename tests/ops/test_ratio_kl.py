@@ -271,3 +271,14 @@ def test_unknown_backend():
 
     with pytest.raises(BackendUnavailableError, match="names no provider"):
         ratio_kl(_LP, _LP, backend="nope")
+
+
+def test_numeric_mask_must_be_zero_or_one():
+    lp, old = torch.randn(2, 5), torch.randn(2, 5)
+    mask = torch.ones(2, 5)
+    ref = ratio_kl(lp, old, mask.bool())
+    got = ratio_kl(lp, old, mask)  # 0 / 1 numbers: the same as the bool mask
+    assert_bitwise(got.log_ratio, ref.log_ratio, "0/1 float mask")
+    mask[1, 2] = 2.0  # e.g. two masks added up: refused, not read as "real"
+    with pytest.raises(ValueError, match="0 or 1.*2.0"):
+        ratio_kl(lp, old, mask)

@@ -27,6 +27,20 @@ def _parts(model: Any) -> tuple[Any, torch.Tensor]:
     return model.get_decoder(), head.weight
 
 
+def _check_ids(model: Any, ids: torch.Tensor) -> None:
+    """Every id (padding included: the embedding looks each one up) in ``[0, vocab)``: a clear
+    error instead of an ``IndexError`` inside the embedding (on a GPU a device-side assert)."""
+    from rl_engine.ops.logp.reference import check_token_range
+
+    emb = model.get_input_embeddings()
+    vocab = int(emb.weight.shape[0]) if emb is not None else None
+    if vocab is not None and ids.numel():
+        try:
+            check_token_range(ids.reshape(-1), vocab)
+        except ValueError as exc:
+            raise ValueError(f"token_logprobs: input_ids: {exc} (the model's vocabulary)") from None
+
+
 def token_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -48,6 +62,7 @@ def token_logprobs(
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be int64/int32, got {input_ids.dtype}")
     ids = input_ids.long()
+    _check_ids(model, ids)
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")

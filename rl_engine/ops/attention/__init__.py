@@ -119,7 +119,8 @@ def attention(
         q: [T, Hq, D] query tokens of B packed sequences (fp32 / bf16 / fp16).
         k: [T, Hkv, D] keys (same dtype); Hq % Hkv == 0 (GQA / MQA).
         v: [T, Hkv, D] values.
-        cu_seqlens: [B + 1] int32 offsets of the sequences in the packed tokens.
+        cu_seqlens: [B + 1] int32 offsets of the sequences in the packed tokens (int64, as
+            many data pipelines build them, is converted: one small copy).
         scale: softmax scale, ``None`` = ``1 / sqrt(D)``.
         causal: causal mask inside each sequence (default).
         backend: provider name to pin for this call.
@@ -130,6 +131,10 @@ def attention(
         :func:`rl_engine.ops.attention.reference.attention` for the contract.
     """
     check_tensor("q", q)  # the full check runs once, in _entry
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int64:
+        if cu_seqlens.numel() and q.shape[0] > torch.iinfo(torch.int32).max:
+            raise ValueError("attention: more packed tokens than int32 offsets can address")
+        cu_seqlens = cu_seqlens.to(torch.int32)
     provider = resolve_provider(_OP, q.device.type, backend)
     return _entry(q, k, v, cu_seqlens, scale, causal, provider=provider)
 

@@ -427,6 +427,25 @@ def paged_attention(
     return out
 
 
+def check_slots(slot_mapping: torch.Tensor, num_slots: int, *, on_device: bool) -> None:
+    """Every slot -1 (skip) or in ``[0, num_slots)``. CPU tensors: checked at once
+    (``ValueError``). Accelerator tensors: a device-side assert when ``on_device`` or
+    ``RL_ENGINE_DEVICE_CHECKS=1`` (a host check would synchronise the stream), else nothing."""
+    from rl_engine import config
+
+    if slot_mapping.numel() == 0:
+        return
+    ok = (slot_mapping >= -1) & (slot_mapping < num_slots)
+    msg = f"write_kv_cache: slots must be -1 (skip) or in 0..{num_slots - 1}"
+    if slot_mapping.device.type == "cpu":
+        if not bool(ok.all()):
+            raise ValueError(
+                f"{msg}; got min {int(slot_mapping.min())}, max {int(slot_mapping.max())}"
+            )
+    elif on_device or config.settings().device_checks:
+        torch._assert_async(ok.all(), msg)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -446,15 +465,11 @@ def write_kv_cache(
     """
     _check_write(k, v, k_cache, v_cache, slot_mapping)
     nb, bs = k_cache.shape[0], k_cache.shape[1]
+    check_slots(slot_mapping, nb * bs, on_device=True)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= nb * bs or bool((slot_mapping < -1).any()):
-        raise ValueError(
-            f"write_kv_cache: slots must be -1 (skip) or in 0..{nb * bs - 1}; got min "
-            f"{int(slot_mapping.min())}, max {int(slot_mapping.max())}"
-        )
     k_cache[slots // bs, slots % bs] = k[keep]
     v_cache[slots // bs, slots % bs] = v[keep]
 

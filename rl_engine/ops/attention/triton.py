@@ -460,6 +460,7 @@ if triton is not None:
         VC,
         SLOTS,
         page_size,
+        num_slots,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -477,7 +478,7 @@ if triton is not None:
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(SLOTS + t).to(tl.int64)
-        if slot < 0:
+        if (slot < 0) | (slot >= num_slots):  # skip (-1); never a write outside the cache
             return
         blk = slot // page_size
         off = slot % page_size
@@ -661,6 +662,8 @@ def write_kv_cache(
     t, hkv, d = k.shape
     if t == 0:
         return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    reference.check_slots(slot_mapping, num_slots, on_device=False)
     k, v = _last_contig(k), _last_contig(v)
     slot_mapping = slot_mapping.contiguous()
     with _guard(k):
@@ -671,6 +674,7 @@ def write_kv_cache(
             v_cache,
             slot_mapping,
             k_cache.shape[1],
+            num_slots,
             k.stride(0),
             k.stride(1),
             v.stride(0),

@@ -80,18 +80,24 @@ def entropy(
     """Batch-invariant entropy of ``softmax(logits / temperature)`` per row (fp32 [T], nats).
 
     Args:
-        logits: [T, V] float32 / bfloat16 / float16.
-        temperature: Python float > 0.
+        logits: [T, V] float32 / bfloat16 / float16, or [..., V] (rows flattened, the result
+            has the leading shape).
+        temperature: Python float > 0, or a one-element floating tensor (read on the host).
         backend: pin a provider for this call (raises when it cannot run).
 
     Returns:
-        fp32 [T]; differentiable wrt ``logits``.
+        fp32 [T] (or the leading shape); differentiable wrt ``logits``.
 
     See :func:`rl_engine.ops.entropy.reference.entropy` for the contract.
     """
+    from rl_engine.ops.logp.reference import as_temperature, flatten_rows
+
     check_tensor("logits", logits)  # the full check runs once, in _entry
+    temperature = as_temperature(temperature)
+    logits, _, lead = flatten_rows(logits)
     provider = resolve_provider("entropy", logits.device.type, backend)
-    return _entry(logits, temperature, provider=provider)
+    out = _entry(logits, temperature, provider=provider)
+    return out if lead is None else out.reshape(lead)
 
 
 KernelRegistry.register_op("entropy", entry=_entry, reference=reference.entropy)

@@ -200,7 +200,7 @@ def grpo_loss(
             receives a gradient.
         old_logp: [B, T] log-probs the ratio is taken against (behaviour / old policy).
         advantages: [B, T] per-token or [B] per-sequence advantages.
-        mask: [B, T] response mask (bool, or numbers: nonzero = real token); None = all real.
+        mask: [B, T] response mask (bool, or numbers 0 / 1: 1 = real token; other values are refused); None = all real.
         clip_low: the ratio is clipped below at ``1 - clip_low`` (0 <= clip_low < 1).
         clip_high: ... and above at ``1 + clip_high`` (DAPO clip-higher: clip_high > clip_low).
         dual_clip: None, or c > 1: for negative advantages the loss is at most ``-A * c``.

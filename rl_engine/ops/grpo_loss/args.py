@@ -13,7 +13,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from rl_engine.ops._common import (
+    FLOAT_DTYPES,
+    as_bool_mask,
+    check_float,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = [
     "AGG_MODES",
@@ -175,8 +181,7 @@ def normalize(tensors: Sequence[Any], options: Sequence[Any]) -> tuple[Tensors, 
         mask = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)
     else:
         check_tensor("mask", mask, dims=2)
-        if mask.dtype != torch.bool:
-            mask = mask != 0
+        mask = as_bool_mask("grpo_loss", mask)
     if dual_clip is not None and float(dual_clip) == 0.0:
         raise ValueError("grpo_loss: dual_clip must be None or a finite c > 1, got 0")
     if loss_norm is not None and float(loss_norm) == 0.0:

@@ -161,7 +161,7 @@ def linear_logp(
         hidden: [T, H] float32 / bfloat16 / float16.
         weight: [V, H] same dtype (LM head as stored).
         tokens: [T] int64 / int32 ids in ``[0, V)`` (checked on the CPU).
-        temperature: Python float > 0.
+        temperature: Python float > 0, or a one-element floating tensor (read on the host).
         return_entropy: also return the entropy [T].
         backend: pin a provider for this call (raises when it cannot run).
 
@@ -170,7 +170,10 @@ def linear_logp(
 
     See :func:`rl_engine.ops.linear_logp.reference.linear_logp` for the contract.
     """
+    from rl_engine.ops.logp.reference import as_temperature
+
     check_tensor("hidden", hidden)  # the full check runs once, in _entry
+    temperature = as_temperature(temperature)
     provider = resolve_provider("linear_logp", hidden.device.type, backend)
     return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
 

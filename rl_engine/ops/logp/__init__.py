@@ -85,19 +85,24 @@ def logp(
     """Batch-invariant ``log_softmax(logits / temperature)[token]`` (fp32 [T]).
 
     Args:
-        logits: [T, V] float32 / bfloat16 / float16.
-        tokens: [T] int64 / int32 ids in ``[0, V)`` (checked on the CPU).
-        temperature: Python float > 0.
+        logits: [T, V] float32 / bfloat16 / float16, or [..., V] (e.g. [B, T, V]: rows are
+            flattened, the result has the leading shape).
+        tokens: [T] (or the logits' leading shape) int64 / int32 ids in ``[0, V)`` (checked
+            on the CPU; a device-side assert on an accelerator).
+        temperature: Python float > 0, or a one-element floating tensor (read on the host).
         backend: pin a provider for this call (raises when it cannot run).
 
     Returns:
-        fp32 [T]; differentiable wrt ``logits``.
+        fp32 [T] (or the leading shape); differentiable wrt ``logits``.
 
     See :func:`rl_engine.ops.logp.reference.logp` for the contract.
     """
     check_tensor("logits", logits)  # the full check runs once, in _entry
+    temperature = reference.as_temperature(temperature)
+    logits, tokens, lead = reference.flatten_rows(logits, tokens)
     provider = resolve_provider("logp", logits.device.type, backend)
-    return _entry(logits, tokens, temperature, provider=provider)
+    out = _entry(logits, tokens, temperature, provider=provider)
+    return out if lead is None else out.reshape(lead)
 
 
 def sampled_logp(

@@ -59,6 +59,34 @@ def check_temperature(temperature: Any) -> None:
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
 
 
+def as_temperature(temperature: Any) -> Any:
+    """A public entry's temperature as a Python float: a 0-d (or one-element) floating tensor is
+    read once on the host (for a GPU tensor that is one synchronisation); anything else is
+    returned as is and checked by :func:`check_temperature`."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1 or not temperature.dtype.is_floating_point:
+            raise TypeError(
+                "temperature must be a Python float or a one-element floating tensor, got a "
+                f"{temperature.dtype} tensor of shape {tuple(temperature.shape)}"
+            )
+        return float(temperature.reshape(()).item())
+    return temperature
+
+
+def flatten_rows(logits: Any, tokens: Any = None) -> tuple[Any, Any, tuple[int, ...] | None]:
+    """``[..., V]`` logits (and ``[...]`` tokens) as ``[T, V]`` / ``[T]`` rows, plus the leading
+    shape to restore (``None`` when already 2-D); a view where the strides allow it."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() <= 2:
+        return logits, tokens, None
+    lead = tuple(logits.shape[:-1])
+    if tokens is not None:
+        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != lead:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+            raise ValueError(f"tokens must have the logits' leading shape {lead}, got {got}")
+        tokens = tokens.reshape(-1)
+    return logits.reshape(-1, logits.shape[-1]), tokens, lead
+
+
 def check_tokens(tokens: Any, rows: int) -> None:
     """Raise unless ``tokens`` is an int32/int64 [rows] tensor."""
     check_tensor("tokens", tokens, dims=1)

@@ -229,7 +229,7 @@ def ratio_kl(
     Args:
         logp: [B, T] fp32 / bf16 / fp16 log-probs of p.
         old_logp: [B, T] fp32 / bf16 / fp16 log-probs of q.
-        mask: optional [B, T] (bool, or numbers: nonzero = real token); None = all real.
+        mask: optional [B, T] (bool, or numbers 0 / 1: 1 = real token; other values are refused); None = all real.
         log_ratio_clamp: C > 0; every log-ratio is clamped to [-C, C] before ``exp``.
         token_is_cap: cap of the truncated token IS weight ``min(ratio, cap)``; None = no cap.
         seq_is_cap: cap of the truncated sequence IS weight; None = no cap.

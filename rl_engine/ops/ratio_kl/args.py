@@ -14,7 +14,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from rl_engine.ops._common import (
+    FLOAT_DTYPES,
+    as_bool_mask,
+    check_float,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["SEQ_MODES", "Options", "check", "normalize", "options"]
 
@@ -112,7 +118,6 @@ def normalize(
     opts = options(*public)
     if mask is not None:
         check_tensor("mask", mask)
-        if mask.dtype != torch.bool:
-            mask = mask != 0
+        mask = as_bool_mask("ratio_kl", mask)
     check(logp, old_logp, mask, opts[:7])
     return mask, opts
