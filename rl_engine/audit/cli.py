@@ -147,6 +147,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
+        "--localize",
+        action="store_true",
+        help="also run one sampled sequence through both sides with hooks on every decoder "
+        "layer's sub-blocks and report the first op where they stop being bitwise equal, "
+        "max |d| per layer and the full-vocabulary KL per position (localize.png)",
+    )
+    p.add_argument(
         "--rollout-env",
         action="append",
         default=[],
@@ -290,7 +297,8 @@ def _run_worker(
 ) -> dict[str, Any]:
     """Run one worker; a failure raises :class:`AuditWorkerError` with the worker's traceback
     (the worker writes it to ``<workdir>/<tag>.out.json.traceback``) and its log's path."""
-    plugin = cfg["engine"] == "rl_engine" and cfg["role"] == "rollout"
+    rollout_side = cfg["role"] == "rollout" or cfg.get("side") == "rollout"
+    plugin = cfg["engine"] == "rl_engine" and rollout_side
     tb_path = os.path.join(workdir, f"{tag}.out.json.traceback")
     try:
         return run_worker(
@@ -411,6 +419,22 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             prov_train += train["provenance"]
         metrics = compare(roll_all, train_all)
         metrics["runs"] = runs
+        if args.localize:
+            seq = roll["sequences"][0]
+            _say(
+                f"[{name}] localisation: one sequence ({len(seq['prompt']) + len(seq['tokens'])} "
+                "tokens) through both sides with hooks on every sub-block"
+            )
+            metrics["localize"] = _localize(
+                args,
+                name,
+                base,
+                seq["prompt"] + seq["tokens"],
+                config,
+                workdir,
+                env_roll,
+                env_train,
+            )
         metrics["provenance"] = {
             "rollout": _dedup(prov_roll),
             "trainer": _dedup(prov_train),
@@ -432,6 +456,48 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "batch_sizes": args.batch_size_list,
         "configurations": results,
     }
+
+
+def _localize(
+    args: argparse.Namespace,
+    name: str,
+    base: dict[str, Any],
+    sequence: list[int],
+    config: dict[str, Any],
+    workdir: str,
+    env_roll: dict[str, str],
+    env_train: dict[str, str],
+) -> dict[str, Any]:
+    """Both sides' activations on ``sequence`` compared point by point
+    (:func:`rl_engine.audit.localize.compare_captures`)."""
+    import torch
+
+    from rl_engine.audit.localize import compare_captures
+
+    caps = {}
+    for side in ("rollout", "trainer"):
+        path = os.path.join(workdir, f"{name}-localize-{side}.pt")
+        env = {"rollout": env_roll, "trainer": env_train}[side] if name == "rl_engine" else {}
+        if name == "vllm-batch-invariant" and side == "rollout":
+            env = BATCH_INVARIANT_ENV
+        _run_worker(
+            {
+                **base,
+                "progress": False,
+                "role": "localize",
+                "side": side,
+                "trainer": args.trainer,
+                "sequence": sequence,
+                "max_model_len": config["_max_model_len"],
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "capture_path": path,
+            },
+            workdir,
+            env,
+            f"{name}-localize-{side}",
+        )
+        caps[side] = torch.load(path)
+    return compare_captures(caps["rollout"], caps["trainer"], temperature=args.temperature)
 
 
 def _dedup(rep: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -525,6 +591,9 @@ def _markdown(report: dict[str, Any], table: str) -> str:
                 f"| {s['sequence']} | {s['tokens']} | "
                 f"{100 * s['bitwise_equal_fraction']:.1f}% | {fmt_delta(s['max_abs_delta'])} |"
             )
+        if "localize" in m:
+            out += ["", "Localisation (one sequence, every sub-block):", "", "```"]
+            out += [_localize_text(name, m["localize"]), "```"]
         out += ["", "Provenance (op: rollout / trainer):", ""]
         roll = {r["op"]: r["numerics"] for r in m["provenance"]["rollout"]}
         train = {r["op"]: r["numerics"] for r in m["provenance"]["trainer"]}
@@ -534,6 +603,19 @@ def _markdown(report: dict[str, Any], table: str) -> str:
             out.append("- (no rl_engine ops: stock engines)")
         out.append("")
     return "\n".join(out)
+
+
+def _localize_text(name: str, loc: dict[str, Any]) -> str:
+    from rl_engine.audit.localize import layer_table
+
+    first = loc["first_divergence"]
+    head = (
+        f"localisation, {name}: "
+        + (f"first divergence at {first}" if first else "bitwise equal at every point")
+        + f"; full-vocabulary KL(rollout || trainer) mean {loc['kl_full_mean']:.3e}, max "
+        f"{loc['kl_full_max']:.3e} over {loc['tokens']} positions"
+    )
+    return head + "\nmax |d| per layer ('=' bitwise equal):\n" + layer_table(loc)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -574,16 +656,23 @@ def run(args: argparse.Namespace) -> int:
         ):
             _write_atomic(os.path.join(out_dir, name), text)
             written.append(name)
-        try:
-            from rl_engine.audit.plots import drift_figure
+        from rl_engine.audit import plots
 
-            stage = os.path.join(workdir, "drift.png")
-            drift_figure(report, deltas, stage)
-            shutil.move(stage, os.path.join(out_dir, "drift.png"))
-            written.append("drift.png")
-        except Exception as exc:  # the numbers are already on disk
-            print(f"rl-engine audit: warning: no drift.png ({type(exc).__name__}: {exc})")
+        figures = [("drift.png", lambda path: plots.drift_figure(report, deltas, path))]
+        if any("localize" in m for m in report["configurations"].values()):
+            figures.append(("localize.png", lambda path: plots.localize_figure(report, path)))
+        for fname, draw in figures:
+            try:
+                stage = os.path.join(workdir, fname)
+                draw(stage)
+                shutil.move(stage, os.path.join(out_dir, fname))
+                written.append(fname)
+            except Exception as exc:  # the numbers are already on disk
+                print(f"rl-engine audit: warning: no {fname} ({type(exc).__name__}: {exc})")
     print(table)
+    for name, m in report["configurations"].items():
+        if "localize" in m:
+            print("\n" + _localize_text(name, m["localize"]))
     print(f"\nwrote {out_dir}/" + ", ".join(written))
     if problems:
         print(

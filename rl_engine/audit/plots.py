@@ -54,3 +54,41 @@ def drift_figure(report: dict[str, Any], deltas: dict[str, list[float]], path: s
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def localize_figure(report: dict[str, Any], path: str) -> None:
+    """max |d| between the two sides at every hooked point, in compute order, per configuration
+    (bitwise equal points drawn at 1e-12)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"stock": "tab:red", "rl_engine": "tab:green", "vllm-batch-invariant": "tab:blue"}
+    fig, ax = plt.subplots(figsize=(11, 4))
+    names: list[str] = []
+    for name, m in report["configurations"].items():
+        loc = m.get("localize")
+        if loc is None:
+            continue
+        names = [p["point"] for p in loc["points"]]
+        d = [p["max_abs_delta"] if not p["bitwise_equal"] else 1e-12 for p in loc["points"]]
+        first = loc["first_divergence"] or "none"
+        ax.plot(
+            range(len(d)),
+            np.clip(d, 1e-12, None),
+            marker="o",
+            ms=3,
+            color=colors.get(name),
+            label=f"{name} (first divergence: {first})",
+        )
+    step = max(1, len(names) // 24)
+    ax.set_xticks(range(0, len(names), step))
+    ax.set_xticklabels(names[::step], rotation=60, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("max |rollout - trainer| (1e-12: bitwise equal)")
+    ax.set_title("Where the two engines part: activations of one sequence, layer by layer")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

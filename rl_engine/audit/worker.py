@@ -81,6 +81,47 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": out}
 
 
+def _localize(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Activations of one side on one sequence (:mod:`rl_engine.audit.localize`), saved to
+    ``cfg["capture_path"]``."""
+    import torch
+
+    from rl_engine.audit import localize
+
+    ids = cfg["sequence"]
+    if cfg["side"] == "rollout":
+        from rl_engine.rl.engines import vllm_engine
+
+        llm = vllm_engine(  # eager: hooks do not fire inside CUDA graphs
+            cfg["model"],
+            dtype=cfg["dtype"],
+            seed=cfg["seed"],
+            max_num_seqs=1,
+            max_model_len=cfg["max_model_len"],
+            max_num_batched_tokens=max(cfg["max_model_len"], len(ids) + 1, 256),
+            eager=True,
+            prefix_caching=False,
+            gpu_memory_utilization=cfg.get("gpu_memory_utilization")
+            if cfg.get("device", "cpu") != "cpu"
+            else None,
+        )
+        cap = localize.capture_vllm(llm, ids)
+    else:
+        from rl_engine.rl.engines import load_trainer
+
+        model = load_trainer(
+            cfg["trainer"],
+            cfg["engine"],
+            cfg["model"],
+            dtype=getattr(torch, cfg["dtype"]),
+            device=cfg.get("device"),
+        )
+        capture = localize.capture_hf if cfg["trainer"] == "hf" else localize.capture_megatron
+        cap = capture(model, ids)
+    torch.save(cap, cfg["capture_path"])
+    return {"capture_path": cfg["capture_path"]}
+
+
 def _progress(total: int, desc: str, cfg: dict[str, Any]):
     if not cfg.get("progress", True):
         return lambda n: None
@@ -99,7 +140,8 @@ def main(argv: list[str]) -> int:
             cfg = json.load(f)
         from rl_engine import KernelRegistry
 
-        result = _rollout(cfg) if cfg["role"] == "rollout" else _trainer(cfg)
+        roles = {"rollout": _rollout, "trainer": _trainer, "localize": _localize}
+        result = roles[cfg["role"]](cfg)
         result["provenance"] = KernelRegistry.report()
     except Exception:
         # for the parent: the traceback even when stderr goes to a terminal, not to the log

@@ -29,10 +29,10 @@ def _audit(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_audit_default_megatron(tmp_path):
-    proc = _audit(tmp_path, "--gate")
+    proc = _audit(tmp_path, "--gate", "--localize")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     out = tmp_path / "out"
-    for name in ("report.json", "report.md", "drift.png"):
+    for name in ("report.json", "report.md", "drift.png", "localize.png"):
         assert (out / name).is_file(), name
     rep = json.loads((out / "report.json").read_text())
     assert rep["schema_version"] >= 2
@@ -67,6 +67,14 @@ def test_audit_default_megatron(tmp_path):
     assert {r["op"] for r in rl["provenance"]["trainer"]} >= {"det_gemm", "rms_norm", "linear_logp"}
     # the stock engines do not agree bitwise (bf16): the audit can see the problem
     assert stock["bitwise_equal_fraction"] < 1.0
+    # localisation: a real first divergence on stock, none with rl_engine (every sub-block of
+    # every layer, the logits and the full-vocabulary KL)
+    loc_s, loc_r = stock["localize"], rl["localize"]
+    assert loc_s["first_divergence"] is not None and loc_s["kl_full_max"] > 0
+    assert loc_r["first_divergence"] is None and loc_r["kl_full_max"] == 0.0
+    assert all(p["bitwise_equal"] for p in loc_r["points"])
+    assert {p["point"] for p in loc_r["points"]} >= {"embed", "L0.attn", "L1.mlp", "logits"}
+    assert "first divergence at" in proc.stdout and "bitwise equal at every point" in proc.stdout
     assert "bitwise" in proc.stdout and "rl_engine" in proc.stdout
 
 

@@ -250,6 +250,13 @@ def logprobs_tensors(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor)
     return LogprobsTensors(ids, vals, ranks)
 
 
+def model_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's LM-head logits of final-norm outputs ``hidden`` [T, H] (0.24 and 0.32:
+    ``compute_logits(hidden_states)``, the path the engine samples from; vocabulary padding
+    trimmed)."""
+    return model.compute_logits(hidden)
+
+
 def sampler_keeps_input(logits: torch.Tensor) -> bool:
     """Whether vLLM's samplers leave their ``logits`` argument untouched: the V1
     ``Sampler.forward`` (0.24, 0.32) converts them with ``logits.to(torch.float32)`` before any
