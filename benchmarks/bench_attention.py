@@ -67,7 +67,7 @@ def _sdpa_setup(q, k, v, b):
         return q4, k4, v4, False, "sdpa_flash_repeat_kv"
 
 
-def prefill(args, b: int) -> dict:
+def prefill(args, b: int, backend: str = "triton") -> dict:
     t = b * SEQ
     q = torch.randn(t, HQ, D, device=DEV, dtype=DT)
     k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
@@ -76,12 +76,12 @@ def prefill(args, b: int) -> dict:
     cu = torch.arange(0, t + 1, SEQ, device=DEV, dtype=torch.int32)
 
     def ours_fwd():
-        return attention(q, k, v, cu, backend="triton")
+        return attention(q, k, v, cu, backend=backend)
 
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
 
     def ours_fwd_bwd():
-        out = attention(qg, kg, vg, cu, backend="triton")
+        out = attention(qg, kg, vg, cu, backend=backend)
         torch.autograd.grad(out, (qg, kg, vg), g)
 
     q4, k4, v4, gqa, baseline = _sdpa_setup(q, k, v, b)
@@ -105,6 +105,7 @@ def prefill(args, b: int) -> dict:
     flops_fb = flops_fwd * 3.5  # forward + backward (2.5x the forward)
     r = {
         "case": "prefill",
+        "provider": backend,
         "batch": b,
         "seq": SEQ,
         "heads": [HQ, HKV, D],
@@ -119,7 +120,7 @@ def prefill(args, b: int) -> dict:
         "fwd_bwd_ratio_vs_sdpa": tm["sdpa_fwd_bwd"] / tm["fwd_bwd"],
     }
     print(
-        f"attention prefill B={b} L={SEQ}: fwd {tm['fwd']:9.1f} us ({r['fwd_tflop_s']:.0f} TFLOP/s,"
+        f"attention[{backend}] prefill B={b} L={SEQ}: fwd {tm['fwd']:9.1f} us ({r['fwd_tflop_s']:.0f} TFLOP/s,"
         f" {r['fwd_ratio_vs_sdpa']:.2f}x sdpa)  fwd+bwd {tm['fwd_bwd']:9.1f} us "
         f"({r['fwd_bwd_ratio_vs_sdpa']:.2f}x sdpa) [{baseline}]",
         flush=True,
@@ -127,7 +128,7 @@ def prefill(args, b: int) -> dict:
     return r
 
 
-def decode(args, copy_tb_s: float) -> dict:
+def decode(args, copy_tb_s: float, backend: str = "triton") -> dict:
     n, ctx, bs = DECODE_SEQS, DECODE_CTX, PAGE
     pages = ctx // bs
     gen = torch.Generator().manual_seed(0)
@@ -140,7 +141,7 @@ def decode(args, copy_tb_s: float) -> dict:
     qsl = torch.arange(n + 1, device=DEV, dtype=torch.int32)
 
     def ours():
-        return paged_attention(q, k_cache, v_cache, block_table, seq_lens, qsl, backend="triton")
+        return paged_attention(q, k_cache, v_cache, block_table, seq_lens, qsl, backend=backend)
 
     # the same KV, contiguous [n, Hkv, ctx, D], for SDPA
     kc = k_cache[block_table.long()].reshape(n, ctx, HKV, D).transpose(1, 2).contiguous()
@@ -165,6 +166,7 @@ def decode(args, copy_tb_s: float) -> dict:
     kv_bytes = 2 * n * ctx * HKV * D * k_cache.element_size()
     r = {
         "case": "decode",
+        "provider": backend,
         "seqs": n,
         "context": ctx,
         "page": bs,
@@ -185,10 +187,10 @@ def decode(args, copy_tb_s: float) -> dict:
     q0 = torch.randn(ctx, HQ, D, device=DEV, dtype=DT)
     q0[-1] = q[0]
     cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
-    full = attention(q0, k0, v0, cu, backend="triton")
+    full = attention(q0, k0, v0, cu, backend=backend)
     r["decode_equals_prefill"] = bool(torch.equal(ours()[0], full[-1]))
     print(
-        f"attention decode {n} x {ctx} page {bs}: {t:9.1f} us, KV {r['kv_tb_s']:.2f} TB/s "
+        f"attention[{backend}] decode {n} x {ctx} page {bs}: {t:9.1f} us, KV {r['kv_tb_s']:.2f} TB/s "
         f"({r['kv_bw_frac']:.2f} of copy), sdpa(contiguous) {t_sdpa:9.1f} us; "
         f"decode == prefill: {r['decode_equals_prefill']}",
         flush=True,
@@ -203,7 +205,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     pre = [r for r in rows if r["case"] == "prefill"]
-    labels = [f"B={r['batch']}" for r in pre]
+    labels = [f"{r['provider']} B={r['batch']}" for r in pre]
     x = range(len(pre))
     axes[0].bar([i - 0.2 for i in x], [r["fwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd")
     axes[0].bar(
@@ -215,7 +217,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_title(f"prefill L={SEQ}, {HQ}/{HKV} heads, D={D}, bf16")
     axes[0].legend()
     dec = [r for r in rows if r["case"] == "decode"]
-    axes[1].bar(["rl_engine paged"], [r["kv_bw_frac"] for r in dec])
+    axes[1].bar([r["provider"] for r in dec], [r["kv_bw_frac"] for r in dec])
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].set_ylabel("KV bytes / time / copy bandwidth")
     axes[1].set_title(f"decode {DECODE_SEQS} x {DECODE_CTX}, page {PAGE}")
@@ -234,6 +236,10 @@ def main() -> None:
     rows.append(decode(args, limits["copy_tb_s"]))
     pre = rows[0]
     dec = rows[-1]
+    # the split family (KV splits fixed in positions: split-KV decode, same bits as its prefill)
+    rows.append(prefill(args, PREFILL_BATCHES[0], "triton_split"))
+    rows.append(decode(args, limits["copy_tb_s"], "triton_split"))
+    pre_s, dec_s = rows[-2], rows[-1]
     summary = {
         "prefill_fwd_ratio_vs_sdpa": pre["fwd_ratio_vs_sdpa"],
         "prefill_fwd_bwd_ratio_vs_sdpa": pre["fwd_bwd_ratio_vs_sdpa"],
@@ -241,12 +247,16 @@ def main() -> None:
         "decode_kv_bw_frac": dec["kv_bw_frac"],
         "decode_ratio_vs_sdpa_contiguous": dec["ratio_vs_sdpa_contiguous"],
         "decode_equals_prefill": dec["decode_equals_prefill"],
+        "split_prefill_fwd_ratio_vs_sdpa": pre_s["fwd_ratio_vs_sdpa"],
+        "split_prefill_fwd_bwd_ratio_vs_sdpa": pre_s["fwd_bwd_ratio_vs_sdpa"],
+        "split_decode_kv_bw_frac": dec_s["kv_bw_frac"],
+        "split_decode_equals_prefill": dec_s["decode_equals_prefill"],
     }
     common.write_json(
         args.out,
         "attention",
         {
-            "provider": "triton",
+            "provider": "triton (and triton_split rows)",
             "baseline": "torch SDPA flash (prefill); SDPA flash/efficient over contiguous KV "
             "(decode)",
             "ratio_definition": "baseline_us / ours_us (higher is better)",

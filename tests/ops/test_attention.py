@@ -34,7 +34,7 @@ def _one_cpu_thread():
 def _dtypes(provider: str, device: str) -> list[torch.dtype]:
     if device == "cuda":
         return [torch.bfloat16, torch.float16, torch.float32]
-    if provider == "triton":  # the interpreter's bf16 tl.dot is wrong: fp32 / fp16 there
+    if provider.startswith("triton"):  # the interpreter's bf16 tl.dot is wrong: fp32 / fp16 there
         return [torch.float32, torch.float16]
     return [torch.float32, torch.bfloat16]
 

@@ -276,6 +276,7 @@ KernelRegistry.register_provider(
 from rl_engine.ops.attention import triton as _triton_provider  # noqa: E402
 
 KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+KernelRegistry.register_provider(_triton_provider.SPLIT_PROVIDER)
 
 
 def self_test(device: str) -> None:

@@ -44,9 +44,25 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["PROVIDER", "attention", "attention_bwd", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "PROVIDER",
+    "SPLIT_PROVIDER",
+    "attention",
+    "attention_bwd",
+    "attention_split",
+    "paged_attention",
+    "paged_attention_split",
+    "write_kv_cache",
+]
 
 MAX_HEAD_DIM = 256
+# The split family (provider ``triton_split``): KV splits of SPLIT_POSITIONS positions from
+# position 0 (part of its numerics; never derived from the batch or the sequence count).
+SPLIT_POSITIONS = 512
+# Decode-sized paged calls run the split programs + combine while their fp32 partials
+# (splits x tokens x heads x head dim) fit in this many bytes; bigger calls take the one-pass
+# kernel of the same family (the same bits: a launch choice, not numerics).
+SPLIT_PARTIAL_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -103,74 +119,53 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _attention_fwd_kernel(
-        Q,
+    def _find_token_seq(CU, t, num_seqs, n_search):
+        # The last sequence b in [0, num_seqs) with cu[b] <= t (token t's sequence when t is
+        # not padding; empty sequences before it are skipped because cu is non-decreasing).
+        lo = t * 0
+        hi = lo + num_seqs
+        for _ in range(n_search):
+            mid = (lo + hi) // 2
+            go = tl.load(CU + mid) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        return lo
+
+    @triton.jit
+    def _attend_tiles(
+        q,
         K,
         V,
-        OUT,
-        LSE,
-        CU_Q,
-        SEQ_LENS,
         BLOCK_TABLE,
-        num_seqs,
-        n_search,
+        b,
+        kvh,
+        q_start,
+        kv_len,
+        q_pos,
+        row_ok,
+        offs_d,
+        d_ok,
         page_size,
-        stride_qt,
-        stride_qh,
         stride_kb,
         stride_kt,
         stride_kh,
         stride_vb,
         stride_vt,
         stride_vh,
-        stride_ot,
-        stride_oh,
         stride_bt,
-        stride_lt,
         scale,
-        G: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
+        j_begin,
+        j_end,
+        m_i,
+        l_i,
+        acc,
         BLOCK_N: tl.constexpr,
         PAGED: tl.constexpr,
         CAUSAL: tl.constexpr,
-        STORE_LSE: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = _find_seq(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
-        q_start = tl.load(CU_Q + b)
-        q_len = tl.load(CU_Q + b + 1) - q_start
-        row0 = (pid - (q_start * G // BLOCK_M + b)) * BLOCK_M
-        if row0 >= q_len * G:
-            return
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len * G
-        tok = rows // G
-        head = kvh * G + rows % G
-        if PAGED:
-            kv_len = tl.load(SEQ_LENS + b)
-        else:
-            kv_len = q_len
-        q_pos = kv_len - q_len + tok
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HEAD_DIM
-        q_rows = (q_start + tok).to(tl.int64)
-        q = tl.load(
-            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if CAUSAL:
-            hi = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), axis=0) + 1, kv_len)
-        else:
-            hi = kv_len
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # KV tiles j_begin .. j_end - 1 in order: the online softmax of the module docstring.
         offs_n = tl.arange(0, BLOCK_N)
-        for j in range(0, tl.cdiv(hi, BLOCK_N)):
+        for j in range(j_begin, j_end):
             kv_pos = j * BLOCK_N + offs_n
             kv_ok = kv_pos < kv_len
             if PAGED:
@@ -208,6 +203,143 @@ if triton is not None:
             )
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
+        # The running state (m_t, l_t, acc_t) absorbs one KV split's (m_s, l_s, acc_s); a split
+        # that saw no key (l_s == 0) is skipped, so visiting more (fully masked) splits cannot
+        # change a row. Explicit FMAs: the same operations wherever this is inlined.
+        m_new = tl.maximum(m_t, m_s)
+        a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_new))
+        b = tl.where(m_new == m_s, 1.0, tl.exp(m_s - m_new))
+        take = l_s > 0.0
+        l_new = tl.fma(l_t, a, l_s * b)
+        acc_new = tl.fma(acc_t, a[:, None], acc_s * b[:, None])
+        return (
+            tl.where(take, m_new, m_t),
+            tl.where(take, l_new, l_t),
+            tl.where(take[:, None], acc_new, acc_t),
+        )
+
+    @triton.jit
+    def _attention_fwd_kernel(
+        Q,
+        K,
+        V,
+        OUT,
+        LSE,
+        CU_Q,
+        SEQ_LENS,
+        BLOCK_TABLE,
+        PART_ML,
+        PART_ACC,
+        num_seqs,
+        n_search,
+        page_size,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_bt,
+        stride_lt,
+        stride_ps,
+        scale,
+        G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGED: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+        SPLIT_TILES: tl.constexpr,
+        SPLIT_PROGRAM: tl.constexpr,
+    ):
+        # SPLIT_TILES = 0: one online softmax over all tiles (family attention/triton).
+        # SPLIT_TILES > 0: the tiles in splits of SPLIT_TILES (fixed positions from 0), each its
+        # own online softmax, merged in order (_merge_split); SPLIT_PROGRAM: this program
+        # computes split program_id(2) only and stores its (m, l, acc) in PART_* for
+        # _attention_combine_kernel, which merges them in the same order.
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = _find_seq(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        row0 = (pid - (q_start * G // BLOCK_M + b)) * BLOCK_M
+        if row0 >= q_len * G:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len * G
+        tok = rows // G
+        head = kvh * G + rows % G
+        if PAGED:
+            kv_len = tl.load(SEQ_LENS + b)
+        else:
+            kv_len = q_len
+        q_pos = kv_len - q_len + tok
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q_rows = (q_start + tok).to(tl.int64)
+        if CAUSAL:
+            hi = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), axis=0) + 1, kv_len)
+        else:
+            hi = kv_len
+        n_tiles = tl.cdiv(hi, BLOCK_N)
+        if SPLIT_PROGRAM:
+            j_begin = tl.program_id(2) * SPLIT_TILES
+            if j_begin >= n_tiles:
+                return
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if SPLIT_PROGRAM:
+            m_i, l_i, acc = _attend_tiles(
+                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
+                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_bt, scale, j_begin, tl.minimum(j_begin + SPLIT_TILES, n_tiles),
+                m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+            )  # fmt: skip
+            split = tl.program_id(2).to(tl.int64) * stride_ps
+            hrow = q_rows * stride_lt + head
+            tl.store(PART_ML + split * 2 + hrow * 2, m_i, mask=row_ok)
+            tl.store(PART_ML + split * 2 + hrow * 2 + 1, l_i, mask=row_ok)
+            tl.store(
+                PART_ACC + split * BLOCK_D + hrow[:, None] * BLOCK_D + offs_d[None, :],
+                acc,
+                mask=row_ok[:, None],
+            )
+            return
+        if SPLIT_TILES == 0:
+            m_i, l_i, acc = _attend_tiles(
+                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
+                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_bt, scale, 0, n_tiles, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+            )  # fmt: skip
+        else:
+            m_t = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_t = tl.zeros([BLOCK_M], tl.float32)
+            acc_t = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for j0 in range(0, n_tiles, SPLIT_TILES):
+                m_s, l_s, acc_s = _attend_tiles(
+                    q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d,
+                    d_ok, page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                    stride_vh, stride_bt, scale, j0, tl.minimum(j0 + SPLIT_TILES, n_tiles),
+                    m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+                )  # fmt: skip
+                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s)
+            m_i, l_i, acc = m_t, l_t, acc_t
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(
@@ -217,6 +349,61 @@ if triton is not None:
         )
         if STORE_LSE:
             tl.store(LSE + q_rows * stride_lt + head, m_i + tl.log(l_safe), mask=row_ok)
+
+    @triton.jit
+    def _attention_combine_kernel(
+        OUT,
+        CU_Q,
+        SEQ_LENS,
+        PART_ML,
+        PART_ACC,
+        num_seqs,
+        n_search,
+        stride_ot,
+        stride_oh,
+        stride_ps,
+        HQ: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_TILES: tl.constexpr,
+    ):
+        # One token (all its query heads): merge its splits 0 .. (the split of its position) in
+        # order with _merge_split, then normalise as the single-pass kernel does. Splits past
+        # the token's position were fully masked for it (skipped by the merge either way).
+        t = tl.program_id(0)
+        b = _find_token_seq(CU_Q, t, num_seqs, n_search)
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        if t - q_start >= q_len:  # padding after the last sequence
+            return
+        q_pos = tl.load(SEQ_LENS + b) - q_len + (t - q_start)
+        n_split = tl.cdiv(tl.cdiv(q_pos + 1, BLOCK_N), SPLIT_TILES)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_ok = offs_h < HQ
+        hrow = t.to(tl.int64) * HQ + offs_h
+        m_t = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_t = tl.zeros([BLOCK_H], tl.float32)
+        acc_t = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for sp in range(0, n_split):
+            split = sp * stride_ps
+            m_s = tl.load(PART_ML + split * 2 + hrow * 2, mask=h_ok, other=float("-inf"))
+            l_s = tl.load(PART_ML + split * 2 + hrow * 2 + 1, mask=h_ok, other=0.0)
+            acc_s = tl.load(
+                PART_ACC + split * BLOCK_D + hrow[:, None] * BLOCK_D + offs_d[None, :],
+                mask=h_ok[:, None],
+                other=0.0,
+            )
+            m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s)
+        l_safe = tl.where(l_t == 0.0, 1.0, l_t)
+        out = acc_t / l_safe[:, None]
+        tl.store(
+            OUT + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        )
 
     @triton.jit
     def _attention_bwd_delta_kernel(
@@ -533,7 +720,11 @@ def _launch_fwd(
     block_table: torch.Tensor | None,
     scale: float,
     causal: bool,
+    split_tiles: int = 0,
 ) -> None:
+    """The forward kernel; with ``split_tiles`` > 0 the split family, and for a paged call with
+    few query rows (decode) the split programs + the combine kernel (the same bits as the one
+    pass, more programs in flight)."""
     t, hq, d = q.shape
     paged = k.dim() == 4
     hkv = k.shape[-2]
@@ -553,6 +744,18 @@ def _launch_fwd(
         kb, kt_, kh = 0, k.stride(0), k.stride(1)
         vb, vt_, vh = 0, v.stride(0), v.stride(1)
         page_size, bt, bt_stride, lens = 1, cu_q, 0, cu_q
+    block_d = _block_d(d)
+    # split programs: decode-sized paged calls (a shape-only choice, CUDA-graph friendly)
+    n_split = 0
+    if split_tiles and paged:
+        n_split = _tr.cdiv(block_table.shape[1] * page_size, split_tiles * cfg.block_n)
+        if n_split * t * hq * block_d * 4 > SPLIT_PARTIAL_BYTES:
+            n_split = 0
+    part_ml, part_acc = out, out  # not read unless n_split
+    if n_split:
+        part_ml = torch.empty((n_split, t, hq, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((n_split, t, hq, block_d), dtype=torch.float32, device=q.device)
+        grid = (*grid, n_split)
     with _guard(q):
         _kernel("_attention_fwd_kernel", q.device)[grid](
             q,
@@ -563,6 +766,8 @@ def _launch_fwd(
             cu_q,
             lens,
             bt,
+            part_ml,
+            part_acc,
             num_seqs,
             _n_search(num_seqs),
             page_size,
@@ -578,18 +783,45 @@ def _launch_fwd(
             out.stride(1),
             bt_stride,
             hq,
+            t * hq,
             scale,
             G=g,
             HEAD_DIM=d,
-            BLOCK_D=_block_d(d),
+            BLOCK_D=block_d,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             PAGED=paged,
             CAUSAL=causal,
             STORE_LSE=lse is not None,
+            SPLIT_TILES=split_tiles,
+            SPLIT_PROGRAM=bool(n_split),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+        if n_split:
+            _kernel("_attention_combine_kernel", q.device)[(t,)](
+                out,
+                cu_q,
+                lens,
+                part_ml,
+                part_acc,
+                num_seqs,
+                _n_search(num_seqs),
+                out.stride(0),
+                out.stride(1),
+                t * hq,
+                HQ=hq,
+                HEAD_DIM=d,
+                BLOCK_H=triton.next_power_of_2(hq),
+                BLOCK_D=block_d,
+                BLOCK_N=cfg.block_n,
+                SPLIT_TILES=split_tiles,
+                num_warps=4,
+            )
+
+
+def _split_tiles(head_dim: int, split: bool) -> int:
+    return SPLIT_POSITIONS // get_config(head_dim).block_n if split else 0
 
 
 def attention(
@@ -605,6 +837,22 @@ def attention(
     ``cu_seqlens`` is trusted (not read back on the host): it must start at 0, be
     non-decreasing and end at ``T``.
     """
+    return _attention(q, k, v, cu_seqlens, scale, causal, split=False)
+
+
+def attention_split(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` of the split family (KV splits of ``SPLIT_POSITIONS`` positions)."""
+    return _attention(q, k, v, cu_seqlens, scale, causal, split=True)
+
+
+def _attention(q, k, v, cu_seqlens, scale, causal, *, split: bool):
     reference._check_attention(q, k, v, cu_seqlens, scale, causal)
     _check_device(q)
     _check_interpreter_dtype(q)
@@ -614,7 +862,8 @@ def attention(
     cu_seqlens = cu_seqlens.contiguous()  # the kernels index metadata with unit stride
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    _launch_fwd(q, k, v, out, lse, cu_seqlens, None, None, scale, causal)
+    tiles = _split_tiles(q.shape[2], split)
+    _launch_fwd(q, k, v, out, lse, cu_seqlens, None, None, scale, causal, tiles)
     return out, lse
 
 
@@ -631,6 +880,24 @@ def paged_attention(
 
     The metadata (offsets, lengths, block ids) is trusted (not read back on the host).
     """
+    return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=False)
+
+
+def paged_attention_split(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` of the split family; decode-sized calls run one program per
+    (query block, KV head, split) and a combine kernel (the bits of the one-pass kernel)."""
+    return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=True)
+
+
+def _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, *, split: bool):
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     _check_device(q)
     _check_interpreter_dtype(q)
@@ -643,7 +910,10 @@ def paged_attention(
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     block_table = _last_contig(block_table)
     out = torch.zeros_like(q)  # padding tokens after query_start_loc[-1] stay zero
-    _launch_fwd(q, k_cache, v_cache, out, None, query_start_loc, seq_lens, block_table, scale, True)
+    tiles = _split_tiles(q.shape[2], split)
+    _launch_fwd(
+        q, k_cache, v_cache, out, None, query_start_loc, seq_lens, block_table, scale, True, tiles
+    )
     return out
 
 
@@ -810,6 +1080,26 @@ PROVIDER = Provider(
     extras={
         "attention_bwd": attention_bwd,
         "paged_attention": paged_attention,
+        "write_kv_cache": write_kv_cache,
+    },
+)
+
+# The split family: the same kernels with KV splits fixed in positions; decode gets more
+# programs in flight (split-KV) at the same bits as its own prefill. Chosen by a pin
+# (RL_ENGINE_BACKEND_ATTENTION=triton_split) on both sides; the default stays ``triton``.
+SPLIT_PROVIDER = Provider(
+    op="attention",
+    name="triton_split",
+    devices=("cuda", "cpu"),
+    dtypes=FLOAT_DTYPES,
+    invariant=True,
+    numerics=f"attention/triton-s{SPLIT_POSITIONS}",
+    fn=attention_split,
+    version="1",
+    available=_available,
+    extras={
+        "attention_bwd": attention_bwd,
+        "paged_attention": paged_attention_split,
         "write_kv_cache": write_kv_cache,
     },
 )
