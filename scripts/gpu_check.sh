@@ -6,6 +6,7 @@
 #   SKIP_TESTS=1 bash scripts/gpu_check.sh            # benchmarks only
 #   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
 #   TESTS="tests/ops/test_attention.py" BENCHES="attention trainer" bash scripts/gpu_check.sh
+#   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480: the invariance fuzzing step
 #   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
@@ -78,6 +79,20 @@ counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors
 json.dump({"tests": tests.split(), "exit_status": status, "counts": counts, "summary": last[0]},
           open(out, "w"), indent=1)
 PYEOF
+fi
+
+if [ "${SKIP_FUZZ:-0}" = "0" ]; then
+  # invariance fuzzing: FUZZ_CASES drawn cases over every op and provider (sizes up to 70,000
+  # rows, a 151,936 + 7 vocabulary), the long inputs and 100 repeats of a patched model's
+  # forward + backward; a failure prints its one-line reproducer
+  echo "== fuzz: ${FUZZ_CASES:-10000} cases (budget ${FUZZ_BUDGET:-480} s) =="
+  timeout "$(( ${FUZZ_BUDGET:-480} + 240 ))" $PY -m rl_engine.testing.fuzz --device cuda \
+    --cases "${FUZZ_CASES:-10000}" --budget "${FUZZ_BUDGET:-480}" --extras \
+    --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1
+  fuzz_status=$?
+  echo "fuzz exit status: $fuzz_status"
+  [ "$fuzz_status" = 0 ] || status=1
+  grep -v "^fuzz: [0-9]* cases" "$OUT/fuzz.log" | tail -n 40
 fi
 
 echo "== benchmarks =="
