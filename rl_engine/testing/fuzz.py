@@ -132,6 +132,13 @@ class Draw:
             return wide[..., ::2]
         return x
 
+    def batch(self, width_small: int, width_large: int, elems: int = 2**26) -> tuple[int, int]:
+        """``(rows, width)`` of a [rows, width] input (at most ``elems`` elements on a GPU)."""
+        t, w = self.count(300, 70000), self.count(width_small, width_large)
+        if self.big:
+            t = min(t, max(1, elems // w))
+        return t, w
+
     def rows(self, n: int) -> tuple[int, int, int]:
         """A slice [i, j) and a single row r of ``n`` rows."""
         i = self.r.randrange(n)
@@ -181,9 +188,7 @@ def _rms_norm(d: Draw) -> None:
     from rl_engine.ops import rms_norm
 
     p = d.case.provider
-    t, h = d.count(300, 70000), d.count(300, 8192)
-    if d.big:
-        t = min(t, max(1, 2**26 // h))
+    t, h = d.batch(300, 8192)
     dt = d.dtype()
     x = d.layout(d.randn(t, h, dtype=dt, scale=3.0))
     w = d.randn(h, dtype=dt)
@@ -227,9 +232,7 @@ def _silu_and_mul(d: Draw) -> None:
     from rl_engine.ops import silu_and_mul
 
     p = d.case.provider
-    t, f = d.count(300, 70000), d.count(300, 14336)
-    if d.big:
-        t = min(t, max(1, 2**26 // f))
+    t, f = d.batch(300, 14336)
     dt = d.dtype()
     x = d.layout(d.randn(t, 2 * f, dtype=dt, scale=2.0))
     y = _rows_check(lambda z: silu_and_mul(z, backend=p), x, d, "silu_and_mul")

@@ -24,6 +24,8 @@ there (the interpreter's bf16 ``tl.dot`` is wrong).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -840,19 +842,7 @@ def attention(
     return _attention(q, k, v, cu_seqlens, scale, causal, split=False)
 
 
-def attention_split(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float | None = None,
-    causal: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention` of the split family (KV splits of ``SPLIT_POSITIONS`` positions)."""
-    return _attention(q, k, v, cu_seqlens, scale, causal, split=True)
-
-
-def _attention(q, k, v, cu_seqlens, scale, causal, *, split: bool):
+def _attention(q, k, v, cu_seqlens, scale=None, causal=True, *, split: bool):
     reference._check_attention(q, k, v, cu_seqlens, scale, causal)
     _check_device(q)
     _check_interpreter_dtype(q)
@@ -883,21 +873,7 @@ def paged_attention(
     return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=False)
 
 
-def paged_attention_split(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """:func:`paged_attention` of the split family; decode-sized calls run one program per
-    (query block, KV head, split) and a combine kernel (the bits of the one-pass kernel)."""
-    return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=True)
-
-
-def _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, *, split: bool):
+def _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, *, split: bool):
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     _check_device(q)
     _check_interpreter_dtype(q)
@@ -1084,22 +1060,30 @@ PROVIDER = Provider(
     },
 )
 
+
+def _split_variant(public: Any, impl: Any) -> Any:
+    """``public`` of the split family: the same signature (the registry checks it), calling
+    ``impl(..., split=True)``."""
+
+    @functools.wraps(public)
+    def variant(*args: Any, **kwargs: Any) -> Any:
+        return impl(*args, **kwargs, split=True)
+
+    variant.__name__ = variant.__qualname__ = public.__name__ + "_split"
+    variant.__doc__ = f":func:`{public.__name__}` of the split family (module docstring)."
+    return variant
+
+
+attention_split = _split_variant(attention, _attention)
+paged_attention_split = _split_variant(paged_attention, _paged)
+
 # The split family: the same kernels with KV splits fixed in positions; decode gets more
 # programs in flight (split-KV) at the same bits as its own prefill. Chosen by a pin
 # (RL_ENGINE_BACKEND_ATTENTION=triton_split) on both sides; the default stays ``triton``.
-SPLIT_PROVIDER = Provider(
-    op="attention",
+SPLIT_PROVIDER = dataclasses.replace(
+    PROVIDER,
     name="triton_split",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=f"attention/triton-s{SPLIT_POSITIONS}",
     fn=attention_split,
-    version="1",
-    available=_available,
-    extras={
-        "attention_bwd": attention_bwd,
-        "paged_attention": paged_attention_split,
-        "write_kv_cache": write_kv_cache,
-    },
+    extras={**PROVIDER.extras, "paged_attention": paged_attention_split},
 )
