@@ -64,6 +64,7 @@ class NoInvariantProviderError(RLEngineError):
 _OP_MODULES: dict[str, str] = {
     "det_gemm": "rl_engine.ops.det_gemm",
     "rms_norm": "rl_engine.ops.rms_norm",
+    "poly_norm": "rl_engine.ops.poly_norm",
     "silu_and_mul": "rl_engine.ops.silu_and_mul",
     "rope": "rl_engine.ops.rope",
     "logp": "rl_engine.ops.logp",

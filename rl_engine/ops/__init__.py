@@ -13,6 +13,7 @@ from rl_engine.ops.entropy import entropy
 from rl_engine.ops.grpo_loss import grpo_loss
 from rl_engine.ops.linear_logp import linear_logp
 from rl_engine.ops.logp import logp
+from rl_engine.ops.poly_norm import fused_mul_poly_norm, poly_norm
 from rl_engine.ops.ratio_kl import ratio_kl
 from rl_engine.ops.rms_norm import rms_norm
 from rl_engine.ops.rope import rope, rope_qk
@@ -22,10 +23,12 @@ __all__ = [
     "attention",
     "det_gemm",
     "entropy",
+    "fused_mul_poly_norm",
     "grpo_loss",
     "linear_logp",
     "logp",
     "paged_attention",
+    "poly_norm",
     "ratio_kl",
     "rms_norm",
     "rope",

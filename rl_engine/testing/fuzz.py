@@ -228,6 +228,43 @@ def _rms_norm(d: Draw) -> None:
     assert_bitwise(dw(), dw(), "rms_norm dweight run to run")
 
 
+def _poly_norm(d: Draw) -> None:
+    from rl_engine.ops import fused_mul_poly_norm, poly_norm
+
+    p = d.case.provider
+    t, h = d.batch(120, 8192)
+    if d.interp:  # one program per row: the interpreter pays per row
+        t, h = min(t, 16), min(h, 64)
+    dt = d.dtype()
+    x = d.layout(d.randn(t, h, dtype=dt, scale=1.5))
+    mul = d.randn(t, h, dtype=dt)
+    w = d.randn(3, dtype=torch.float32)
+    b = d.randn(1, dtype=torch.float32)
+    y = _rows(lambda i, j: poly_norm(x[i:j], w, b, backend=p), t, d, "poly_norm")
+    fused = _rows(
+        lambda i, j: fused_mul_poly_norm(x[i:j], mul[i:j], w, b, backend=p), t, d, "fused_mul"
+    )
+    assert_bitwise(fused, y * mul, "fused_mul_poly_norm vs poly_norm(x) * mul")
+    x64 = x.double()
+
+    def n(z: torch.Tensor) -> torch.Tensor:
+        return z / torch.sqrt((z * z).mean(-1, keepdim=True) + 1e-6)
+
+    want = w[0].double() * n(x64**3) + w[1].double() * n(x64**2) + w[2].double() * n(x64)
+    rtol, atol = tolerance(dt)
+    scale = 1.0 + float(w.abs().sum())
+    assert_close(y, (want + b.double()).to(dt), rtol=rtol, atol=atol * scale, what="poly_norm")
+    g = d.randn(t, h, dtype=dt)
+
+    def dx(n_rows: int) -> torch.Tensor:
+        z = x[:n_rows].detach().clone().requires_grad_(True)
+        poly_norm(z, w, b, backend=p).backward(g[:n_rows])
+        return z.grad
+
+    i, j, _ = d.rows(t)
+    assert_bitwise(dx(j)[i:j], dx(t)[i:j], "poly_norm dx: prefix rows vs all rows")
+
+
 def _silu_and_mul(d: Draw) -> None:
     from rl_engine.ops import silu_and_mul
 
@@ -407,6 +444,7 @@ def _attention(d: Draw) -> None:
 OPS: dict[str, Callable[[Draw], None]] = {
     "det_gemm": _det_gemm,
     "rms_norm": _rms_norm,
+    "poly_norm": _poly_norm,
     "silu_and_mul": _silu_and_mul,
     "rope": _rope,
     "logp": _logp,

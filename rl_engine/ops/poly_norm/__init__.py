@@ -1,0 +1,189 @@
+"""``poly_norm`` / ``fused_mul_poly_norm``: batch-invariant PolyNorm (Motif's MLP activation).
+
+Custom ops: ``rl_engine::poly_norm(x, mul, weight, bias, eps, provider) -> y`` (``mul`` is
+``None`` for ``poly_norm``; given, the result is ``poly_norm(x) * mul``) and
+``rl_engine::poly_norm_backward(grad, x, mul, weight, bias, eps, provider) -> (dx, dmul,
+dweight, dbias)`` (``dmul`` empty without ``mul``; dweight / dbias fp32, cast to the parameters'
+dtypes by the autograd). The fused op and ``poly_norm(x) * mul`` agree bitwise, forward and
+backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops.poly_norm import reference
+from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+
+__all__ = ["fused_mul_poly_norm", "poly_norm"]
+
+_OP = "poly_norm"
+
+
+@torch.library.custom_op("rl_engine::poly_norm", mutates_args=())
+def _poly_norm_op(
+    x: torch.Tensor,
+    mul: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    provider: str,
+) -> torch.Tensor:
+    prov = KernelRegistry.provider(_OP, provider)
+    if mul is None:
+        return prov.fn(x, weight, bias, eps).contiguous()
+    return prov.extras["fused_mul"](x, mul, weight, bias, eps).contiguous()
+
+
+@_poly_norm_op.register_fake
+def _(x, mul, weight, bias, eps, provider):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("rl_engine::poly_norm_backward", mutates_args=())
+def _poly_norm_backward_op(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    mul: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    provider: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    backward = KernelRegistry.provider(_OP, provider).extras["backward"]
+    dx, dmul, dw, db = backward(grad, x, weight, bias, eps, mul)
+    if dmul is None:
+        dmul = x.new_empty(0)
+    return dx.contiguous(), dmul.contiguous(), dw.clone(), db.clone()  # (views of one sum)
+
+
+@_poly_norm_backward_op.register_fake
+def _(grad, x, mul, weight, bias, eps, provider):
+    dmul_shape = x.shape if mul is not None else (0,)
+    f32 = torch.float32
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(dmul_shape, dtype=x.dtype, device=x.device),
+        torch.empty((reference.ORDER,), dtype=f32, device=x.device),
+        torch.empty((1,), dtype=f32, device=x.device),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, mul, weight, bias, eps, provider = inputs
+    ctx.save_for_backward(x, mul, weight, bias)
+    ctx.eps, ctx.provider = eps, provider
+
+
+def _backward(ctx, grad):
+    x, mul, weight, bias = ctx.saved_tensors
+    dx, dmul, dw, db = _poly_norm_backward_op(
+        grad.to(x.dtype), x, mul, weight, bias, ctx.eps, ctx.provider
+    )
+    need = ctx.needs_input_grad
+    return (
+        dx if need[0] else None,
+        dmul if (mul is not None and need[1]) else None,
+        dw.to(weight.dtype) if need[2] else None,
+        db.to(bias.dtype) if need[3] else None,
+        None,
+        None,
+    )
+
+
+_poly_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _entry(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    provider: str,
+    mul: torch.Tensor | None = None,
+) -> torch.Tensor:
+    reference._check(x, weight, bias, eps, mul)
+    return _poly_norm_op(x, mul, weight, bias, float(eps), provider)
+
+
+def poly_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant ``w0 n(x^3) + w1 n(x^2) + w2 n(x) + b``, ``n(z) = z / rms(z)`` over the
+    last dim.
+
+    Args:
+        x: [..., H] float32 / bfloat16 / float16.
+        weight: [3] (``w0, w1, w2``); bias: [1]; any float dtype.
+        eps: added to each mean square.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        [..., H] in ``x.dtype``; differentiable wrt ``x``, ``weight`` and ``bias`` (the input
+        gradient row invariant, the parameter gradients deterministic).
+    """
+    check_tensor("x", x)
+    provider = resolve_provider(_OP, x.device.type, backend)
+    return _entry(x, weight, bias, eps, provider=provider)
+
+
+def fused_mul_poly_norm(
+    x: torch.Tensor,
+    mul: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``poly_norm(x, weight, bias, eps) * mul`` in one pass: bitwise the unfused composition,
+    forward and backward. ``mul``: x's shape and dtype."""
+    check_tensor("x", x)
+    provider = resolve_provider(_OP, x.device.type, backend)
+    return _entry(x, weight, bias, eps, provider=provider, mul=mul)
+
+
+KernelRegistry.register_op(_OP, entry=_entry, reference=reference.poly_norm)
+KernelRegistry.register_provider(
+    Provider(
+        op=_OP,
+        name="native",
+        devices=("cpu", "cuda", "rocm"),
+        dtypes=FLOAT_DTYPES,
+        invariant=True,
+        numerics="poly_norm/native",
+        fn=reference.poly_norm,
+        extras={
+            "fused_mul": reference.fused_mul_poly_norm,
+            "backward": reference.poly_norm_backward,
+        },
+    )
+)
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+from rl_engine.ops.poly_norm import triton as _triton_provider  # noqa: E402
+
+KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+
+
+def self_test(device: str) -> None:
+    """Bitwise row invariance of forward and dX, fused == unfused (``rl-engine check``)."""
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.tensor([0.3, 0.5, 0.2], device=device)
+    b = torch.tensor([0.1], device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (2 * torch.randn(45, 77, generator=g)).to(device=device, dtype=dtype)
+        m = torch.randn(45, 77, generator=g).to(device=device, dtype=dtype)
+        check_row_invariance(lambda r: poly_norm(r, w, b), x, counts=(1, 17), what="poly_norm")
+        assert_bitwise(
+            fused_mul_poly_norm(x, m, w, b), poly_norm(x, w, b) * m, "fused_mul_poly_norm"
+        )

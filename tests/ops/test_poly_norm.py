@@ -1,0 +1,181 @@
+"""poly_norm / fused_mul_poly_norm: numerics vs float64 (forward and every gradient), row
+invariance (forward, dx), fused == unfused bitwise (forward and backward), deterministic and
+zero-row-padding-invariant parameter gradients, opcheck, errors. Every invariant provider
+runnable here (the Triton one with ``TRITON_INTERPRET=1``: fp32 / fp16 in the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine import KernelRegistry, config
+from rl_engine.ops import fused_mul_poly_norm, poly_norm
+from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.tolerances import assert_close, tolerance
+
+
+def _providers():
+    return [p.name for p in KernelRegistry.providers("poly_norm", "cpu") if p.invariant]
+
+
+@pytest.fixture(params=_providers())
+def backend(request):
+    try:
+        KernelRegistry.get_op("poly_norm", device="cpu", backend=request.param)
+    except Exception as exc:  # triton without the interpreter
+        pytest.skip(str(exc))
+    return request.param
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _skip_dtype(backend, dtype):
+    # the interpreter is exercised with fp32 / fp16 (its bf16 is not the GPU's; PLATFORMS.md)
+    if backend == "triton" and dtype == torch.bfloat16:
+        pytest.skip("interpreter: fp32 / fp16")
+
+
+def _params(dtype=torch.float32):
+    w = torch.tensor([0.3, 0.5, 0.2], dtype=dtype, requires_grad=True)
+    b = torch.tensor([0.1], dtype=dtype, requires_grad=True)
+    return w, b
+
+
+def _ref64(x, w, b, eps=1e-6, mul=None):
+    def n(z):
+        return z / torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
+
+    y = w[0] * n(x**3) + w[1] * n(x**2) + w[2] * n(x) + b
+    return y if mul is None else y * mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (9, 33), (3, 1100), (2, 3, 130), (0, 16)])
+def test_forward_and_grads_vs_float64(backend, shape, dtype):
+    _skip_dtype(backend, dtype)
+    g = torch.Generator().manual_seed(0)
+    x = (1.5 * torch.randn(shape, generator=g)).to(dtype).requires_grad_(True)
+    m = torch.randn(shape, generator=g).to(dtype).requires_grad_(True)
+    gy = torch.randn(shape, generator=g).to(dtype)
+    w, b = _params()
+    y = fused_mul_poly_norm(x, m, w, b, backend=backend)
+    assert y.shape == x.shape and y.dtype == dtype
+    y.backward(gy)
+    x64, m64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, m, w, b))
+    y64 = _ref64(x64, w64, b64, mul=m64)
+    y64.backward(gy.double())
+    rtol, atol = tolerance(dtype)
+    assert_close(y, y64, rtol=rtol, atol=atol, what=f"y {shape} {dtype}")
+    rg, ag = tolerance(dtype, grad=True)
+    scale = max(1.0, float(x64.grad.abs().max())) if x.numel() else 1.0
+    assert_close(x.grad, x64.grad, rtol=rg, atol=ag * scale, what=f"dx {dtype}")
+    assert_close(m.grad, m64.grad, rtol=rg, atol=ag, what=f"dmul {dtype}")
+    n_el = max(1, x.numel())
+    assert_close(w.grad, w64.grad, rtol=rg, atol=ag * n_el**0.5, what=f"dw {dtype}")
+    assert_close(b.grad, b64.grad, rtol=rg, atol=ag * n_el**0.5, what=f"db {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariance_forward_and_dx(backend, dtype):
+    _skip_dtype(backend, dtype)
+    if backend == "triton" and dtype == torch.float32:
+        pytest.skip("interpreter time: the fp16 case covers the kernels' row handling")
+    g = torch.Generator().manual_seed(1)
+    x = (2 * torch.randn(24, 77, generator=g)).to(dtype)
+    gy = torch.randn(24, 77, generator=g).to(dtype)
+    w, b = (t.detach() for t in _params())
+    check_row_invariance(
+        lambda r: poly_norm(r, w, b, backend=backend), x, counts=(1, 11), what="poly_norm"
+    )
+
+    def dx(idx):
+        xi = x[idx.long()].clone().requires_grad_(True)
+        poly_norm(xi, w, b, backend=backend).backward(gy[idx.long()])
+        return xi.grad
+
+    check_row_invariance(dx, torch.arange(24.0), counts=(1, 11), what="poly_norm dx")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_equals_unfused_forward_and_backward(backend, dtype):
+    _skip_dtype(backend, dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(13, 300, generator=g).to(dtype).requires_grad_(True)
+    m = torch.randn(13, 300, generator=g).to(dtype).requires_grad_(True)
+    gy = torch.randn(13, 300, generator=g).to(dtype)
+    w, b = _params()
+
+    def run(fused):
+        for t in (x, m, w, b):
+            t.grad = None
+        if fused:
+            y = fused_mul_poly_norm(x, m, w, b, backend=backend)
+        else:
+            y = poly_norm(x, w, b, backend=backend) * m
+        y.backward(gy)
+        return [y.detach()] + [t.grad.clone() for t in (x, m, w, b)]
+
+    for a, c, what in zip(run(True), run(False), ("y", "dx", "dmul", "dw", "db")):
+        assert_bitwise(a, c, f"{dtype} fused vs poly_norm(x) * mul: {what}")
+
+
+def test_parameter_grads_deterministic_and_zero_padding_invariant(backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(19, 64, generator=g)
+    gy = torch.randn(19, 64, generator=g)
+
+    def grads(xx, gg):
+        w, b = _params()
+        poly_norm(xx, w, b, backend=backend).backward(gg)
+        return w.grad, b.grad
+
+    first = grads(x, gy)
+    for a, c in zip(grads(x, gy), first):
+        assert_bitwise(a, c, "run to run")
+    # rows of zero gradient appended (a padded batch): the same parameter gradients
+    xp = torch.cat([x, torch.randn(14, 64, generator=g)])
+    gp = torch.cat([gy, torch.zeros(14, 64)])
+    for a, c in zip(grads(xp, gp), first):
+        assert_bitwise(a, c, "zero-gradient rows appended")
+
+
+def test_opcheck():
+    if config.settings().triton_interpret:
+        pytest.skip("opcheck of the native provider")
+    x, m = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    w, b = _params()
+    op = torch.ops.rl_engine.poly_norm.default
+    torch.library.opcheck(op, (x, None, w, b, 1e-6, "native"))
+    torch.library.opcheck(op, (x, m, w, b, 1e-6, "native"))
+    bwd = torch.ops.rl_engine.poly_norm_backward.default
+    x, m, w, b = (t.detach() for t in (x, m, w, b))
+    torch.library.opcheck(bwd, (torch.randn(5, 8), x, m, w, b, 1e-6, "native"))
+    torch.library.opcheck(bwd, (torch.randn(5, 8), x, None, w, b, 1e-6, "native"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(weight=torch.ones(2)), ValueError, "3 elements"),
+        (dict(bias=torch.ones(2)), ValueError, "bias 1"),
+        (dict(eps=-1.0), ValueError, "eps"),
+        (dict(x=torch.ones(3, 4, dtype=torch.int32)), TypeError, "x"),
+        (dict(mul=torch.ones(3, 5)), ValueError, "mul must have x's shape"),
+    ],
+)
+def test_errors(kwargs, exc, match):
+    args = dict(x=torch.ones(3, 4), weight=torch.ones(3), bias=torch.zeros(1), eps=1e-6)
+    mul = kwargs.pop("mul", None)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        if mul is None:
+            poly_norm(**args, backend="native")
+        else:
+            fused_mul_poly_norm(args["x"], mul, args["weight"], args["bias"], backend="native")
+
+
+def test_self_test():
+    from rl_engine.ops.poly_norm import self_test
+
+    self_test("cpu")
