@@ -34,6 +34,9 @@ CONFIGS = {
     "stock": {"RL_ENGINE_VLLM": "0"},
     "rl_engine": {"RL_ENGINE_VLLM": "1"},
     "vllm_batch_invariant": {"RL_ENGINE_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"},
+    # the plugin with the split-KV attention family (opt-in until measured; not in the default
+    # list: --configs stock,rl_engine,rl_engine_split)
+    "rl_engine_split": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_BACKEND_ATTENTION": "triton_split"},
 }
 MODEL = dict(
     arch="qwen2",
@@ -156,7 +159,11 @@ def main() -> int:
     import common
 
     def extra(p):
-        p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+        p.add_argument(
+            "--configs",
+            default="stock,rl_engine,vllm_batch_invariant",
+            help=f"comma-separated subset of {', '.join(CONFIGS)}",
+        )
         p.add_argument("--sizes", default=None, help="concurrent prompts, comma-separated")
         p.add_argument("--new-tokens", type=int, default=None)
         p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables")
