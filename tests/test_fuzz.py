@@ -23,7 +23,7 @@ def _assert_clean(rep: fuzz.FuzzReport, min_cases: int) -> None:
 
 
 def test_fuzz_reference_providers():
-    rep = fuzz.run(device="cpu", cases=5000, seed=11, providers=["native"], budget=25)
+    rep = fuzz.run(device="cpu", cases=5000, seed=11, providers=["native"], budget=20)
     _assert_clean(rep, min_cases=100)
 
 
@@ -31,7 +31,7 @@ def test_fuzz_triton_providers_in_the_interpreter():
     if not config.settings().triton_interpret:
         pytest.skip("needs TRITON_INTERPRET=1 (the interpreter suite of scripts/test.sh)")
     rep = fuzz.run(
-        device="cpu", cases=5000, seed=12, providers=["triton", "triton_split"], budget=35
+        device="cpu", cases=5000, seed=12, providers=["triton", "triton_split"], budget=25
     )
     _assert_clean(rep, min_cases=10)
 

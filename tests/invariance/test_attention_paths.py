@@ -138,8 +138,8 @@ PATHS = [(1, 16), (1, 32), (7, 16), (7, 32), (64, 16), (64, 32), (128, 16), (128
 @pytest.mark.parametrize("chunk, page", PATHS, ids=[f"chunk{c}-page{p}" for c, p in PATHS])
 def test_chunked_prefill_and_decode_equal_full_prefill(case, chunk, page):
     device, backend, dtype = case
-    if backend == "triton_split" and chunk == 1000 and device == "cpu":
-        pytest.skip("interpreter time: the split boundaries are crossed by the shorter cases")
+    if backend == "triton_split" and device == "cpu" and (chunk in (128, 1000) or page == 32):
+        pytest.skip("interpreter time: chunks 1, 7, 64 with pages of 16 cross the split bounds")
     n = {1: 80, 1000: 1030}.get(chunk, 200)
     heads = (1, 1) if chunk == 1000 else (HQ, HKV)  # keep the long case cheap on the CPU
     seq = _seq(n, dtype, device, seed=chunk, heads=heads)
