@@ -74,6 +74,15 @@ if triton is not None:
         return r1, r2, r3
 
     @triton.jit
+    def _row_setup(x_row, W, B, H, h_f, eps, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr):
+        # the row's three inverse RMS values and the fp32 parameters (w0, w1, w2, b)
+        r1, r2, r3 = _row_rstd(x_row, H, h_f, eps, BLOCK, LOG_BLOCK)
+        w0 = tl.load(W).to(tl.float32)
+        w1 = tl.load(W + 1).to(tl.float32)
+        w2 = tl.load(W + 2).to(tl.float32)
+        return r1, r2, r3, w0, w1, w2, tl.load(B).to(tl.float32)
+
+    @triton.jit
     def _row_y(a1, r1, r2, r3, w0, w1, w2, b):
         a2 = a1 * a1
         a3 = a2 * a1
@@ -98,11 +107,7 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * stride_x
-        r1, r2, r3 = _row_rstd(x_row, H, h_f, eps, BLOCK, LOG_BLOCK)
-        w0 = tl.load(W).to(tl.float32)
-        w1 = tl.load(W + 1).to(tl.float32)
-        w2 = tl.load(W + 2).to(tl.float32)
-        b = tl.load(B).to(tl.float32)
+        r1, r2, r3, w0, w1, w2, b = _row_setup(x_row, W, B, H, h_f, eps, BLOCK, LOG_BLOCK)
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, H, BLOCK):
             c = c0 + cols
@@ -138,11 +143,7 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * stride_x
-        r1, r2, r3 = _row_rstd(x_row, H, h_f, eps, BLOCK, LOG_BLOCK)
-        w0 = tl.load(W).to(tl.float32)
-        w1 = tl.load(W + 1).to(tl.float32)
-        w2 = tl.load(W + 2).to(tl.float32)
-        b = tl.load(B).to(tl.float32)
+        r1, r2, r3, w0, w1, w2, b = _row_setup(x_row, W, B, H, h_f, eps, BLOCK, LOG_BLOCK)
         cols = tl.arange(0, BLOCK)
         q1 = tl.zeros((1, BLOCK), tl.float32)
         q2 = tl.zeros((1, BLOCK), tl.float32)
