@@ -241,6 +241,32 @@ def test_write_kv_cache_slot_out_of_range_is_refused(case):
     assert not kc.any() and not vc.any()
 
 
+def test_paged_attention_into_out(case):
+    """``out=``: the sequences' rows written in place with the returned tensor's bits; padding
+    rows after query_start_loc[-1] untouched; a mismatched ``out`` refused."""
+    device, backend, dtype = case
+    q, k, v, cu = _inputs([10], 2, 1, 32, dtype, device, seed=12)
+    kc = torch.zeros(2, 16, 1, 32, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    write_kv_cache(k, v, kc, vc, torch.arange(10, device=device), backend=backend)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    qp = torch.cat([q[7:], torch.randn(2, 2, 32).to(device, dtype)])  # 3 tokens + 2 padding
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    sl = torch.tensor([10], dtype=torch.int32, device=device)
+    want = paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend)
+    out = torch.full_like(qp, 7.0)
+    got = paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend, out=out)
+    assert got is out
+    assert_bitwise(out[:3], want[:3], "out= rows vs returned rows")
+    assert bool((out[3:] == 7.0).all()), "padding rows were written"
+    wide = torch.full((5, 2 * 32 + 8), 7.0, dtype=dtype, device=device)  # strided rows
+    view = wide[:, : 2 * 32].view(5, 2, 32)
+    paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend, out=view)
+    assert_bitwise(view[:3], want[:3], "out= into a row-strided view")
+    with pytest.raises(ValueError, match="out must match q"):
+        paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend, out=out[:4])
+
+
 def test_paged_padding_tokens_are_zero(case):
     """Tokens after query_start_loc[-1] (CUDA-graph padding) are ignored and left zero."""
     device, backend, dtype = case
@@ -288,6 +314,10 @@ def test_opcheck(provider):
     sl = torch.tensor([20, 3], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
     torch.library.opcheck(ops.paged_attention.default, (q[:3], kc, vc, bt, sl, qsl, 0.25, provider))
+    out = torch.zeros_like(q[:3])
+    torch.library.opcheck(
+        ops.paged_attention_out.default, (q[:3], kc, vc, bt, sl, qsl, 0.25, out, provider)
+    )
     slots = torch.tensor([3, -1, 40, 17], dtype=torch.int64)
     torch.library.opcheck(ops.write_kv_cache.default, (k[:4], v[:4], kc, vc, slots, provider))
 

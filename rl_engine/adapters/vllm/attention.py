@@ -262,7 +262,9 @@ class RLEngineAttentionImpl(AttentionImpl[RLEngineAttentionMetadata]):
 
         n = attn_metadata.num_actual_tokens  # a host int (the padded count in a FULL graph)
         k_cache, v_cache = self._caches(kv_cache)
-        out = paged_attention(
+        # written straight into vLLM's output buffer (no intermediate tensor and copy);
+        # padding rows after query_start_loc[-1] are left as vLLM's own backends leave them
+        paged_attention(
             query[:n],
             k_cache,
             v_cache,
@@ -270,8 +272,8 @@ class RLEngineAttentionImpl(AttentionImpl[RLEngineAttentionMetadata]):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             scale=self.scale,
+            out=output[:n].view(n, self.num_heads, self.head_size),
         )
-        output[:n].copy_(out.view(output[:n].shape))
         return output
 
 

@@ -174,6 +174,27 @@ def _paged_setup_context(ctx, inputs, output):
 _paged_attention_op.register_autograd(_paged_backward, setup_context=_paged_setup_context)
 
 
+@torch.library.custom_op("rl_engine::paged_attention_out", mutates_args=("out",))
+def _paged_attention_out_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    provider: str,
+) -> None:
+    fn = KernelRegistry.provider(_OP, provider).extras["paged_attention_out"]
+    fn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out)
+
+
+@_paged_attention_out_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, provider):
+    return None
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -184,6 +205,7 @@ def paged_attention(
     scale: float | None = None,
     *,
     backend: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batch-invariant causal attention against a paged KV cache (prefill chunks and decode).
 
@@ -197,15 +219,25 @@ def paged_attention(
             after ``query_start_loc[B]`` are padding (CUDA-graph batches): output zero.
         scale: softmax scale, ``None`` = ``1 / sqrt(D)``.
         backend: provider name to pin for this call.
+        out: optional [T, Hq, D] destination (``q``'s dtype and device, unit stride on D;
+            e.g. a view of an engine's preallocated output): the rows of the sequences'
+            tokens are written in place (the same bits as the returned tensor), padding rows
+            after ``query_start_loc[B]`` are left as they are; no gradient.
 
     Returns:
-        [T, Hq, D] in ``q.dtype``; each token's row is bitwise equal to its row in a full
-        :func:`attention` prefill of its sequence (same provider), whatever the chunking, the
-        page size and the other sequences of the batch.
+        [T, Hq, D] in ``q.dtype`` (``out`` when given); each token's row is bitwise equal to its
+        row in a full :func:`attention` prefill of its sequence (same provider), whatever the
+        chunking, the page size and the other sequences of the batch.
     """
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     provider = resolve_provider(_OP, q.device.type, backend)
     scale = reference.default_scale(q.shape[2], scale)
+    if out is not None:
+        reference.check_out(q, out)
+        _paged_attention_out_op(
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, provider
+        )
+        return out
     return _paged_attention_op(
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, provider
     )
@@ -267,6 +299,7 @@ KernelRegistry.register_provider(
         extras={
             "attention_bwd": reference.attention_bwd,
             "paged_attention": reference.paged_attention,
+            "paged_attention_out": reference.paged_attention_out,
             "write_kv_cache": reference.write_kv_cache,
         },
     )

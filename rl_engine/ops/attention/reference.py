@@ -162,6 +162,18 @@ def _check_paged(
     _check_scale(scale)
 
 
+def check_out(q: torch.Tensor, out: torch.Tensor) -> None:
+    """``paged_attention``'s ``out``: q's shape, dtype and device, a unit stride on head_dim."""
+    check_tensor("out", out, dims=3)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"paged_attention: out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}); got "
+            f"{tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("paged_attention: out needs a unit stride on head_dim")
+
+
 def _check_write(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -444,6 +456,23 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int, *, on_device: bool) 
             )
     elif on_device or config.settings().device_checks:
         torch._assert_async(ok.all(), msg)
+
+
+def paged_attention_out(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None,
+    out: torch.Tensor,
+) -> None:
+    """:func:`paged_attention` written into ``out``: the rows of the sequences' tokens (padding
+    rows after ``query_start_loc[B]`` untouched; the offsets are read on the host)."""
+    res = paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    n = int(query_start_loc[-1])
+    out[:n].copy_(res[:n])
 
 
 def write_kv_cache(

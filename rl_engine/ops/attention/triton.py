@@ -873,7 +873,18 @@ def paged_attention(
     return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=False)
 
 
-def _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=None, *, split: bool):
+def _paged(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    scale=None,
+    out=None,
+    *,
+    split: bool,
+):
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     _check_device(q)
     _check_interpreter_dtype(q)
@@ -885,12 +896,27 @@ def _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale=No
     # the kernels index metadata with unit stride (a no-op for the usual contiguous slices)
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     block_table = _last_contig(block_table)
-    out = torch.zeros_like(q)  # padding tokens after query_start_loc[-1] stay zero
+    if out is None:
+        out = torch.zeros_like(q)  # padding tokens after query_start_loc[-1] stay zero
     tiles = _split_tiles(q.shape[2], split)
     _launch_fwd(
         q, k_cache, v_cache, out, None, query_start_loc, seq_lens, block_table, scale, True, tiles
     )
     return out
+
+
+def paged_attention_out(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None,
+    out: torch.Tensor,
+) -> None:
+    """:func:`paged_attention` written into ``out`` (the sequences' rows; padding untouched)."""
+    _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, split=False)
 
 
 def write_kv_cache(
@@ -1056,6 +1082,7 @@ PROVIDER = Provider(
     extras={
         "attention_bwd": attention_bwd,
         "paged_attention": paged_attention,
+        "paged_attention_out": paged_attention_out,
         "write_kv_cache": write_kv_cache,
     },
 )
@@ -1076,6 +1103,7 @@ def _split_variant(public: Any, impl: Any) -> Any:
 
 attention_split = _split_variant(attention, _attention)
 paged_attention_split = _split_variant(paged_attention, _paged)
+paged_attention_out_split = _split_variant(paged_attention_out, _paged)
 
 # The split family: the same kernels with KV splits fixed in positions; decode gets more
 # programs in flight (split-KV) at the same bits as its own prefill. Chosen by a pin
@@ -1085,5 +1113,9 @@ SPLIT_PROVIDER = dataclasses.replace(
     name="triton_split",
     numerics=f"attention/triton-s{SPLIT_POSITIONS}",
     fn=attention_split,
-    extras={**PROVIDER.extras, "paged_attention": paged_attention_split},
+    extras={
+        **PROVIDER.extras,
+        "paged_attention": paged_attention_split,
+        "paged_attention_out": paged_attention_out_split,
+    },
 )
