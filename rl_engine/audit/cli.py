@@ -387,7 +387,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                     "tensor_parallel_size": args.tensor_parallel_size,
                 },
                 workdir,
-                {"rl_engine": env_roll, "vllm-batch-invariant": BATCH_INVARIANT_ENV}.get(name, {}),
+                _side_env(name, "rollout", env_roll, env_train),
                 f"{name}-bs{bs}-rollout",
             )
             _say(f"[{step}/{steps}] {name}: {args.trainer} trainer scoring the sampled tokens")
@@ -399,7 +399,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                     "sequences": roll["sequences"],
                 },
                 workdir,
-                env_train if name == "rl_engine" else {},
+                _side_env(name, "trainer", env_roll, env_train),
                 f"{name}-bs{bs}-trainer",
             )
             r = [s["logprobs"] for s in roll["sequences"]]
@@ -458,6 +458,19 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     }
 
 
+def _side_env(
+    name: str, side: str, env_roll: dict[str, str], env_train: dict[str, str]
+) -> dict[str, str]:
+    """The extra environment of one side of a configuration: ``--rollout-env`` /
+    ``--trainer-env`` for rl_engine, vLLM's batch-invariant switch for that configuration's
+    rollout, nothing for stock."""
+    if name == "rl_engine":
+        return env_roll if side == "rollout" else env_train
+    if name == "vllm-batch-invariant" and side == "rollout":
+        return BATCH_INVARIANT_ENV
+    return {}
+
+
 def _localize(
     args: argparse.Namespace,
     name: str,
@@ -477,9 +490,7 @@ def _localize(
     caps = {}
     for side in ("rollout", "trainer"):
         path = os.path.join(workdir, f"{name}-localize-{side}.pt")
-        env = {"rollout": env_roll, "trainer": env_train}[side] if name == "rl_engine" else {}
-        if name == "vllm-batch-invariant" and side == "rollout":
-            env = BATCH_INVARIANT_ENV
+        env = _side_env(name, side, env_roll, env_train)
         _run_worker(
             {
                 **base,

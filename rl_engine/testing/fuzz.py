@@ -415,8 +415,8 @@ def _attention(d: Draw) -> None:
     q, k, v = (torch.cat([s[i] for s in qkv]) for i in range(3))
     full = attention(q, k, v, cu, backend=p)
     s0 = d.r.randrange(n_seq)
-    alone = attention(*qkv[s0], cu[:2] * 0 + torch.tensor([0, lens[s0]], device=dev,
-                                                           dtype=torch.int32), backend=p)  # fmt: skip
+    cu0 = torch.tensor([0, lens[s0]], dtype=torch.int32, device=dev)
+    alone = attention(*qkv[s0], cu0, backend=p)
     assert_bitwise(alone, full[offs[s0] : offs[s0 + 1]], f"seq {s0} alone vs batched prefill")
     # the sequence through a paged cache: a chunked prefill at a random split, then decode
     n = lens[s0]

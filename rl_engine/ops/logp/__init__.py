@@ -129,9 +129,9 @@ def sampled_logp(
         check_range: check that the ids lie in ``[0, V)`` (on an accelerator a device-side
             assert; on the CPU a host read). ``False`` for ids a sampler drew from these logits.
     """
-    check_tensor("logits", logits)
-    reference._check(logits, tokens, 1.0)
+    check_tensor("logits", logits)  # the providers check the rest (once, on the hot path)
     if check_range:
+        reference._check(logits, tokens, 1.0)  # the range check needs valid token tensors
         reference.check_token_range(tokens, logits.shape[1])
     provider = resolve_provider("logp", logits.device.type, backend)
     fn = KernelRegistry.provider("logp", provider).extras.get("sampled")
