@@ -150,6 +150,24 @@ def _profile(fn, stem: Path) -> dict:
     return {"wall_ms": round(wall, 1), "device_ms": round(dev, 1)}
 
 
+def _rows(results: dict[str, dict]) -> list[dict]:
+    """One row per configuration and size, with its ratio to stock vLLM's tokens/s."""
+    stock = {r["prompts"]: r["tokens_per_s"] for r in results.get("stock", {}).get("rows", [])}
+    rows = []
+    for name, res in results.items():
+        for r in res.get("rows", []):
+            base = stock.get(r["prompts"])
+            rows.append(
+                {
+                    "config": name,
+                    **r,
+                    "vs_stock": round(r["tokens_per_s"] / base, 3) if base else None,
+                    "engine_start_s": res["engine_start_s"],
+                }
+            )
+    return rows
+
+
 def main() -> int:
     if "--worker" in sys.argv:
         i = sys.argv.index("--worker")
@@ -221,21 +239,12 @@ def main() -> int:
             results[name] = json.loads(out.read_text())
         else:
             results[name] = {"error": f"exit {rc}", "log_tail": log.read_text()[-3000:]}
-    rows = []
-    stock = {r["prompts"]: r["tokens_per_s"] for r in results.get("stock", {}).get("rows", [])}
-    for name, res in results.items():
-        for r in res.get("rows", []):
-            base = stock.get(r["prompts"])
-            rows.append(
-                {
-                    "config": name,
-                    **r,
-                    "vs_stock": round(r["tokens_per_s"] / base, 3) if base else None,
-                    "engine_start_s": res["engine_start_s"],
-                }
-            )
-    payload = {"model": MODEL, "quick": args.quick, "rows": rows, "runs": results}
-    common.write_json(args.out, "rollout", payload)
+        # written after every configuration: a run cut short (a device call's time limit)
+        # keeps what finished, marked incomplete
+        rows = _rows(results)
+        done = len(results) == len(configs)
+        payload = {"model": MODEL, "quick": args.quick, "complete": done, "configs": configs}
+        common.write_json(args.out, "rollout", {**payload, "rows": rows, "runs": results})
     common.print_table(
         rows,
         ["config", "prompts", "new_tokens", "tokens_per_s", "vs_stock", "engine_start_s"],
