@@ -22,6 +22,11 @@ Variables:
         the host would synchronise the stream (``write_kv_cache`` slots on a GPU); off by
         default (a few launches per call); the GPU test script turns it on. The Triton kernel
         never writes outside the cache either way.
+    RL_ENGINE_TP_GROUPS: the TP-invariant reduction of the GEMMs that tensor parallelism shards
+        (``rl_engine.ops.det_gemm.tp``): unset = on with 8 groups at TP > 1, off at TP = 1;
+        ``8`` (a power of two) = on at every degree, TP = 1 included (set it on every side: the
+        rollout and the trainers at TP 1, 2, 4, 8 then agree bitwise); ``0`` = off (TP > 1 is
+        refused).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -49,6 +54,7 @@ class Settings:
     triton_interpret: bool = False
     check_launch: bool = False
     device_checks: bool = False
+    tp_groups: int | None = None
 
     def pin_for(self, op_type: str) -> str | None:
         """The provider pinned for ``op_type`` by configuration, or ``None``."""
@@ -64,6 +70,14 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         if key.startswith(_PREFIX + "BACKEND_") and value.strip():
             op_backends[key[len(_PREFIX + "BACKEND_") :].lower()] = value.strip().lower()
     backend = environ.get(_PREFIX + "BACKEND", "").strip().lower() or None
+    raw_groups = environ.get(_PREFIX + "TP_GROUPS", "").strip()
+    tp_groups = None
+    if raw_groups:
+        if not raw_groups.isdigit() or (int(raw_groups) & (int(raw_groups) - 1)):
+            raise ValueError(
+                f"{_PREFIX}TP_GROUPS={raw_groups!r}: expected 0 (off) or a power of two (e.g. 8)"
+            )
+        tp_groups = int(raw_groups)
     return Settings(
         mode=mode,
         backend=backend,
@@ -75,6 +89,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         triton_interpret=environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE,
         check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
         device_checks=environ.get(_PREFIX + "DEVICE_CHECKS", "0").strip().lower() in _TRUE,
+        tp_groups=tp_groups,
     )
 
 

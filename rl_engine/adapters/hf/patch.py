@@ -37,12 +37,15 @@ from typing import Any
 import torch
 
 from rl_engine import ops
+from rl_engine.ops.det_gemm import tp as tpm
 
 __all__ = ["is_patched", "patch_model", "rope_kwargs", "unpatch_model"]
 
 MARK = "_rl_engine_patched"
 ATTN_NAME = "rl_engine"
 SUPPORTED = ("llama", "qwen2", "qwen3")
+# the Linear layers tensor parallelism shards along K (Megatron / vLLM RowParallelLinear)
+ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
 _BLOCK = 16  # block size of the compact KV cache handed to paged_attention while decoding
 
 
@@ -136,6 +139,23 @@ class _LinearForward(_PatchedForward):
         mod = self.module
         shape = x.shape
         y = ops.det_gemm(x.reshape(-1, shape[-1]), mod.weight.t(), mod.bias)
+        return y.view(*shape[:-1], mod.weight.shape[0])
+
+
+class _RowParallelLinearForward(_PatchedForward):
+    """``o_proj`` / ``down_proj`` (the layers tensor parallelism shards along K) with the
+    TP-invariant K reduction when it is on (``RL_ENGINE_TP_GROUPS``): the bits of a Megatron or
+    vLLM run at TP 1, 2, 4 or 8 that uses it. Otherwise plain ``det_gemm``, as every Linear."""
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        groups = tpm.groups_for(1)
+        if groups is None:
+            return _LinearForward.run(self, x)
+        mod = self.module
+        shape = x.shape
+        y = tpm.tp_linear(
+            x.reshape(-1, shape[-1]), mod.weight, mod.bias, parallel="row", groups=groups
+        )
         return y.view(*shape[:-1], mod.weight.shape[0])
 
 
@@ -347,7 +367,8 @@ def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, lis
         elif cls.endswith("RMSNorm"):
             make = _NormForward
         elif isinstance(mod, torch.nn.Linear):
-            make = _LinearForward
+            row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL_LINEARS
+            make = _RowParallelLinearForward if row_parallel else _LinearForward
         if make is None:
             own = [p for p in mod.parameters(recurse=False)]
             if isinstance(mod, torch.nn.Embedding) or cls.endswith("RotaryEmbedding"):

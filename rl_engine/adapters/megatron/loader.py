@@ -18,6 +18,7 @@ __all__ = [
     "hf_to_megatron_state",
     "megatron_to_hf_state",
     "rope_from_hf_config",
+    "shard_state",
     "stock_from_pretrained",
 ]
 
@@ -153,6 +154,52 @@ def hf_to_megatron_state(
     return out
 
 
+def shard_state(
+    state: dict[str, torch.Tensor], cfg: dict[str, Any], tp: int, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of a TP = 1 ``GPTModel`` state dict (Megatron's TP layout).
+
+    Vocabulary rows (embedding, output layer) and QKV rows (whole query groups: the TP = 1 layout
+    is per group) are cut into ``tp`` contiguous blocks; FC1 holds ``[gate_r; up_r]``; the
+    row-parallel weights (``linear_proj``, ``linear_fc2``) are cut along K; norms are replicated.
+    Exact slices. Raises ``UnsupportedNumericsError`` for sizes ``tp`` does not divide.
+    """
+    ng = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    sizes = {
+        "vocabulary": cfg["vocab_size"],
+        "query groups": ng,
+        "intermediate_size": cfg["intermediate_size"],
+    }
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise UnsupportedNumericsError(
+            f"from_pretrained: tensor-parallel degree {tp} does not divide {bad}"
+        )
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0] // tp
+        return t[rank * n : (rank + 1) * n]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[1] // tp
+        return t[:, rank * n : (rank + 1) * n]
+
+    out = {}
+    for name, t in state.items():
+        if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+            out[name] = rows(t)
+        elif name.endswith("linear_qkv.bias"):
+            out[name] = rows(t)
+        elif name.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2, dim=0)
+            out[name] = torch.cat([rows(gate), rows(up)], dim=0)
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            out[name] = cols(t)
+        else:
+            out[name] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def megatron_to_hf_state(
     state: dict[str, torch.Tensor], cfg: dict[str, Any], tied: bool
 ) -> dict[str, torch.Tensor]:
@@ -220,7 +267,8 @@ def from_pretrained(
     """A ``GPTModel`` with the rl_engine spec and the weights of a Hugging Face checkpoint.
 
     Supports Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm), tied or untied
-    embeddings, at TP = PP = 1 (the weights are loaded unsharded). Megatron's model-parallel
+    embeddings, PP = 1, any TP degree Megatron accepts for the shapes (each rank loads its
+    shard, :func:`shard_state`; the TP-invariant reductions need a degree in 1, 2, 4, 8). Megatron's model-parallel
     state must be initialised (``parallel_state.initialize_model_parallel``).
 
     Args:
@@ -242,8 +290,8 @@ def from_pretrained(
             "from_pretrained: initialise Megatron's model-parallel state first "
             "(torch.distributed.init_process_group + parallel_state.initialize_model_parallel)"
         )
-    if parallel_state.get_tensor_model_parallel_world_size() != 1:
-        raise UnsupportedNumericsError("from_pretrained: loads TP = 1 weights only")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.fspath(path)
     cfg = _read_config(path)
     if dtype is None:
@@ -264,6 +312,8 @@ def from_pretrained(
     )
     hf = dict(_tensors(path))
     state = hf_to_megatron_state(hf, cfg, tied)
+    if tp > 1:
+        state = shard_state(state, cfg, tp, rank)
     own = model.state_dict()
     missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
     unexpected = [k for k in state if k not in own]

@@ -67,12 +67,41 @@ def _output_weight(gpt: Any, vocab_size: int | None = None) -> torch.Tensor:
     else:
         w = gpt.output_layer.weight
     if w.shape[0] != gpt.vocab_size:
-        raise UnsupportedNumericsError(
-            f"token_logprobs: the LM head holds {w.shape[0]} of {gpt.vocab_size} vocabulary rows "
-            "(vocab-parallel TP > 1 is not supported)"
-        )
+        w = _gather_vocab_rows(w, gpt.vocab_size)
     v = true_vocab_size(gpt, vocab_size)
     return w if v == w.shape[0] else w[:v]
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of the vocab-parallel LM head's rows (rank order); backward: this rank's rows
+    of the (replicated, identical on every rank) full gradient. Exact copies both ways."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, group: Any) -> torch.Tensor:
+        world = torch.distributed.get_world_size(group)
+        ctx.rank, ctx.rows = torch.distributed.get_rank(group), w.shape[0]
+        parts = [torch.empty_like(w) for _ in range(world)]
+        torch.distributed.all_gather(parts, w.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
+
+
+def _gather_vocab_rows(w: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The whole LM head from its TP shards: every rank then computes the log-probs over the
+    whole vocabulary in the single-device order (the same bits at every TP degree; costs the
+    head's weight once more per rank)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if w.shape[0] * tp != vocab:
+        raise UnsupportedNumericsError(
+            f"token_logprobs: the LM head holds {w.shape[0]} of {vocab} vocabulary rows, which "
+            f"is not a TP = {tp} shard"
+        )
+    return _GatherRows.apply(w, parallel_state.get_tensor_model_parallel_group())
 
 
 def _hidden(gpt: Any, ids: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:
@@ -168,8 +197,8 @@ def token_logprobs(
       before it, and is 0 where token j+1 starts a new sequence.
 
     Args:
-        model: a ``GPTModel`` (or a DDP / Float16Module wrapper), TP = PP = CP = 1 for the LM
-            head (other layers follow Megatron's TP semantics).
+        model: a ``GPTModel`` (or a DDP / Float16Module wrapper), PP = CP = 1; at TP > 1 the
+            vocab-parallel LM head is all-gathered and every rank returns the same log-probs.
         input_ids: int64 token ids.
         temperature: the rollout's sampling temperature (logits are divided by it).
         attention_mask: padding mask of the padded layout.

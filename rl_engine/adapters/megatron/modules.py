@@ -5,11 +5,12 @@ name it and :func:`~rl_engine.adapters.megatron.replace_modules` can swap it in 
 changes only what is computed:
 
 * :class:`RLColumnParallelLinear` / :class:`RLRowParallelLinear`: ``det_gemm(x, W.t(), bias)``
-  on the local shard. Column parallel needs no reduction, so it is exact at any TP degree (each
-  output column is computed in full on one rank). Row parallel at TP > 1 combines the rank
-  partials with a fixed-order pairwise fp32 sum after an all-gather (never an NCCL all-reduce,
-  whose order depends on the algorithm NCCL picks); it is deterministic for a given TP degree but
-  not bitwise equal to TP = 1.
+  on the local shard. Column parallel's forward needs no reduction (each output column is
+  computed in full on one rank); row parallel's forward and column parallel's input gradient
+  reduce over the sharded dimension with the TP-invariant reduction of
+  :mod:`rl_engine.ops.det_gemm.tp` (a fixed tree of 8 groups whose subtrees are the rank shards;
+  fp32 subtrees all-gathered, never an all-reduce sum): the TP = 1 bits at TP 2, 4 and 8 when
+  TP = 1 runs it too (``RL_ENGINE_TP_GROUPS=8``).
 * :class:`RLRMSNorm`: ``rms_norm(x, weight, eps)`` (the residual add happens in the transformer
   layer's bias-dropout-add, in the model dtype, exactly like the fused ``rms_norm(x, w, eps,
   residual)`` of the rollout engine).
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention
@@ -38,7 +38,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
 from rl_engine import ops
-from rl_engine.ops._common import tree_sum
+from rl_engine.ops.det_gemm import tp as tpm
 
 __all__ = [
     "RLColumnParallelLinear",
@@ -107,49 +107,70 @@ class RLColumnParallelLinear(ColumnParallelLinear):
             raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected}")
         bias = self.bias if not self.skip_bias_add else None
         tp = _tp_size(self.tp_group)
-        x = input_
-        if tp > 1:
-            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        out = _linear(x, weight, bias)
+        groups = tpm.groups_for(tp)
+        if groups is None:
+            out = _linear(input_, weight, bias)
+        else:  # forward per column (exact); backward dx: the TP-invariant N reduction
+            glu = bool(getattr(self, "rl_engine_glu", False))
+            n_full = weight.shape[0] * tp
+            out = _tp_linear(self, input_, weight, bias, "column", tp, groups, n_full, glu)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and tp > 1:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
 
 
-class _FixedOrderAllReduce(torch.autograd.Function):
-    """Sum of the TP ranks' partials in rank order (pairwise fp32 tree), same bits on every rank."""
+def _exchange(group: Any):
+    """All-gather of an fp32 tensor over the TP group, rank order (gloo or NCCL)."""
+    world = torch.distributed.get_world_size(group)
 
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        world = torch.distributed.get_world_size(group)
-        parts = [torch.empty_like(partial) for _ in range(world)]
-        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
-        return tree_sum(torch.stack(parts).float(), dim=0).to(partial.dtype)
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(world)]
+        torch.distributed.all_gather(parts, t, group=group)
+        return parts
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    return gather
+
+
+def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,
+               groups: int, full_size: int, glu: bool = False) -> torch.Tensor:  # fmt: skip
+    """A TP layer's shard through :func:`rl_engine.ops.det_gemm.tp.tp_linear` ([..., K] input)."""
+    shape = x.shape
+    y = tpm.tp_linear(
+        x.reshape(-1, shape[-1]),
+        weight,
+        bias,
+        parallel=parallel,
+        exchange=_exchange(layer.tp_group) if tp > 1 else None,
+        tp=tp,
+        full_size=full_size,
+        groups=groups,
+        glu=glu,
+    )
+    return y.view(*shape[:-1], y.shape[-1])
 
 
 class RLRowParallelLinear(RowParallelLinear):
     """``RowParallelLinear`` computing ``det_gemm(x_shard, W_shard.t())`` per rank.
 
-    At TP = 1 the bias is fused into the GEMM (``det_gemm(x, W.t(), bias)``, as the rollout does).
-    At TP > 1 the rank partials are combined by :class:`_FixedOrderAllReduce`, then the bias is
-    added in the model dtype.
+    With the TP-invariant reduction (always at TP > 1; at TP = 1 when ``RL_ENGINE_TP_GROUPS`` is
+    set) the K reduction is :mod:`rl_engine.ops.det_gemm.tp`'s: each rank's subtree of the
+    fixed group tree, the fp32 subtrees all-gathered and combined in tree order (never an
+    all-reduce sum), then the bias: the TP = 1 bits at every degree. Otherwise
+    ``det_gemm(x, W.t(), bias)`` with the bias fused.
     """
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
         _check_linear(self)
         tp = _tp_size(self.tp_group)
         _refuse(tp > 1 and not self.input_is_parallel, "RowParallelLinear(input_is_parallel=False)")
-        fuse_bias = tp == 1 and not self.skip_bias_add and self.bias is not None
-        out = _linear(input_, self.weight, self.bias if fuse_bias else None)
-        if tp > 1:
-            out = _FixedOrderAllReduce.apply(out, self.tp_group)
-            if not self.skip_bias_add and self.bias is not None:
-                out = out + self.bias
+        groups = tpm.groups_for(tp)
+        bias = self.bias if not self.skip_bias_add else None
+        if groups is None:  # TP = 1, plain det_gemm (the bias fused, as the rollout does)
+            out = _linear(input_, self.weight, bias)
+        else:
+            out = _tp_linear(self, input_, self.weight, bias, "row", tp, groups, self.input_size)
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -199,6 +220,9 @@ class RLMLP(MLP):
             self.config.activation_func is not torch.nn.functional.silu,
             "an activation other than SiLU",
         )
+        # fc1's rows are [gate; up] (per rank [gate_r; up_r]): the TP-invariant backward groups
+        # gate and up blocks together
+        self.linear_fc1.rl_engine_glu = True
         h, bias = self.linear_fc1(hidden_states)
         _refuse(bias is not None, "an MLP fc1 bias")
         act = ops.silu_and_mul(h)

@@ -104,6 +104,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def _make_linear_apply(original):
     def apply(self, layer, x, bias=None):
+        if type(layer).__name__ == "RowParallelLinear":
+            from rl_engine.ops.det_gemm import tp as tpm
+
+            groups = tpm.groups_for(1)
+            if groups is not None:  # the TP-invariant K reduction (RL_ENGINE_TP_GROUPS)
+                k = x.shape[-1]
+                out = tpm.det_gemm_tp(x.reshape(-1, k), layer.weight.t(), bias, groups=groups)
+                return out.reshape(*x.shape[:-1], layer.weight.shape[0])
         return _linear(x, layer.weight, bias)
 
     return apply

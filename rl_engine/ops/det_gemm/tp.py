@@ -1,0 +1,294 @@
+"""Tensor-parallel-invariant reductions for the GEMMs whose reduction dimension TP shards.
+
+A row-parallel layer (attention output, MLP down projection) holds a slice of K on every rank;
+the backward of a column-parallel layer (QKV, gate/up, the vocab-parallel LM head) holds a slice
+of N. Summing the ranks' partials changes the bits with the TP degree unless the single-GPU
+computation *is* that sum. Numerics of the ``tp`` reduction (family
+``det_gemm_tp/g<G>[<det_gemm family>]``):
+
+* the reduction dimension is cut into ``G`` equal contiguous **groups** (``G = TP_GROUPS = 8``,
+  a fixed count, never derived from the TP degree or the batch);
+* each group is one fp32 GEMM of the det_gemm provider's family (the provider's fp32 product
+  ``a_g @ b_g``, its ``wgrad`` entry: a fixed order that depends on the group's length only);
+* the ``G`` fp32 partials are combined by a fixed tree of **adjacent** pairs,
+  ``((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))`` (:func:`pair_tree`; not
+  :func:`rl_engine.ops._common.tree_sum`, whose first level adds ``g_i + g_{i+G/2}``: its
+  subtrees are strided, a rank's contiguous shard would not be one);
+* then ``+ bias`` in fp32 and one rounding to the input dtype.
+
+The tree's subtrees are contiguous runs of groups, so at any TP degree ``t`` dividing ``G``, rank
+``r`` (holding groups ``[r G/t, (r+1) G/t)``) computes its subtree with :func:`subtree`, the
+ranks exchange these fp32 ``[M, N]`` partials, and :func:`combine` adds them with the tree's top
+levels: the TP = 1 bits on every rank, for every ``t`` in ``allowed_degrees()``.
+
+Layouts whose TP shard is not a contiguous slice (Megatron's fused ``[gate; up]`` FC1 holds
+``[gate_r; up_r]`` on rank ``r``) pass ``glu=True``: group ``j`` is then gate rows ``j`` and up
+rows ``j`` (each half cut into ``G`` groups), in that order, on one rank as on ``t`` ranks.
+
+Cost: a rank sends one fp32 ``[M, N]`` partial instead of its bf16 share of a ring all-reduce
+(see ``docs/operators/det_gemm.md``, "Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rl_engine.registry import KernelRegistry, resolve_provider
+
+__all__ = [
+    "TP_GROUPS",
+    "allowed_degrees",
+    "check_split",
+    "combine",
+    "det_gemm_tp",
+    "family",
+    "groups_for",
+    "pair_tree",
+    "subtree",
+    "tp_linear",
+]
+
+TP_GROUPS = 8  # fixed group count (part of the numerics): TP degrees 1, 2, 4, 8
+
+
+def allowed_degrees(groups: int = TP_GROUPS) -> list[int]:
+    """The TP degrees whose shards are whole subtrees of the ``groups``-leaf tree."""
+    return [d for d in range(1, groups + 1) if groups % d == 0 and d & (d - 1) == 0]
+
+
+def check_split(size: int, tp: int, *, what: str, groups: int = TP_GROUPS, glu: bool = False):
+    """Refuse a reduction length or TP degree the grouping cannot split.
+
+    ``size`` is the full (TP = 1) reduction length; ``glu``: two halves, each cut into groups.
+    """
+    if groups < 1 or groups & (groups - 1):
+        raise ValueError(f"{what}: the group count must be a power of two, got {groups}")
+    allowed = allowed_degrees(groups)
+    if tp not in allowed:
+        raise ValueError(
+            f"{what}: tensor-parallel degree {tp} does not divide the {groups} reduction groups "
+            f"of the TP-invariant GEMM; allowed degrees: {allowed}"
+        )
+    unit = groups * (2 if glu else 1)
+    if size % unit:
+        raise ValueError(
+            f"{what}: reduction length {size} is not a multiple of {unit} ({groups} groups"
+            f"{' per gate / up half' if glu else ''}), so it cannot be cut into equal groups; "
+            f"pad the layer or use TP-invariant numerics off (TP = 1 only)"
+        )
+
+
+def groups_for(tp: int) -> int | None:
+    """The group count the configuration asks for at TP degree ``tp`` (``None``: the plain
+    det_gemm reduction). ``RL_ENGINE_TP_GROUPS``: unset = 8 groups at TP > 1, off at TP = 1;
+    ``G`` = G groups at every degree; ``0`` = off (TP > 1 refused)."""
+    from rl_engine.config import settings
+
+    g = settings().tp_groups
+    if g is None:
+        return TP_GROUPS if tp > 1 else None
+    if g == 0:
+        if tp > 1:
+            raise ValueError(
+                f"tensor-parallel degree {tp} with RL_ENGINE_TP_GROUPS=0: the TP-invariant "
+                "reduction is off, and without it TP > 1 cannot keep the bits (unset it or set 8)"
+            )
+        return None
+    return g
+
+
+def _provider(device: torch.device, backend: str | None):
+    return KernelRegistry.provider("det_gemm", resolve_provider("det_gemm", device.type, backend))
+
+
+def family(device: torch.device | str = "cpu", backend: str | None = None,
+           groups: int = TP_GROUPS) -> str:  # fmt: skip
+    """The numerics family id of the TP reduction on ``device``."""
+    return f"det_gemm_tp/g{groups}[{_provider(torch.device(device), backend).numerics}]"
+
+
+def _group_order(n: int, groups: int, glu: bool) -> torch.Tensor | None:
+    """Indices that make the groups contiguous (``glu``: gate block j then up block j)."""
+    if not glu:
+        return None
+    half, g = n // 2, n // (2 * groups)
+    idx = torch.arange(n).view(2, groups, g).transpose(0, 1).reshape(-1)
+    assert idx.numel() == 2 * half
+    return idx
+
+
+def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
+            backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """fp32 tree sum of the ``groups`` group products of ``a [M, K] @ b [K, N]`` (K = ``groups``
+    equal groups, ``glu``: two halves of ``groups`` groups each). A rank passes its shard and its
+    own number of groups (``TP_GROUPS / tp``)."""
+    k = a.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(f"det_gemm_tp: a is [{a.shape[0]}, {k}] but b is {list(b.shape)}")
+    if k % (groups * (2 if glu else 1)):
+        raise ValueError(f"det_gemm_tp: {k} columns do not split into {groups} groups")
+    order = _group_order(k, groups, glu)
+    if order is not None:
+        order = order.to(a.device)
+        a, b = a.index_select(1, order), b.index_select(0, order)
+    wgrad = _provider(a.device, backend).extras["wgrad"]
+    step = k // groups
+    # the provider's fp32 product a_g @ b_g: its wgrad entry computes x.t() @ y
+    parts = [wgrad(a[:, i : i + step].t(), b[i : i + step]) for i in range(0, k, step)]
+    return pair_tree(torch.stack(parts))
+
+
+def combine(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tree's top levels over the ranks' subtrees (rank order), fp32."""
+    return pair_tree(torch.stack(list(parts)))
+
+
+def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(acc + bias) -> dtype``: fp32 add, one rounding (as det_gemm's epilogue)."""
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(dtype)
+
+
+def pair_tree(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 (a power-of-two length) by adjacent pairs, level by level: every subtree
+    is a contiguous run. Elementwise fp32 adds only: the same bits on any device."""
+    n = x.shape[0]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"pair_tree: {n} terms; expected a power of two")
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def _single(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+class _TPLinearFn(torch.autograd.Function):
+    """``x @ W.t() (+ bias)`` of one rank's shard of a TP layer (TP = 1: the whole layer).
+
+    ``row`` (K sharded): forward = the grouped K reduction, its rank subtrees exchanged and
+    combined; backward ``dx = grad @ W`` and ``dW`` are per element of the shard (exact at any
+    degree). ``column`` (N sharded): forward = det_gemm (per column: exact); backward ``dx`` =
+    the grouped N reduction, exchanged and combined. ``exchange(t)`` returns every rank's ``t`` in
+    rank order (an all-gather; ``[t]`` at TP = 1).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, parallel, groups, glu, exchange, provider):
+        fns = KernelRegistry.provider("det_gemm", provider)
+        if parallel == "row":
+            acc = combine(exchange(subtree(x, weight.t(), groups, backend=provider)))
+            out = finish(acc, bias, x.dtype)
+        else:
+            out = fns.fn(x, weight.t(), bias)
+        ctx.save_for_backward(x, weight)
+        ctx.meta = (parallel, groups, glu, exchange, provider, bias is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        parallel, groups, glu, exchange, provider, has_bias = ctx.meta
+        fns = KernelRegistry.provider("det_gemm", provider)
+        grad = grad.to(x.dtype)
+        dx = dw = dbias = None
+        if ctx.needs_input_grad[0]:
+            if parallel == "row":
+                dx = fns.fn(grad, weight, None)
+            else:
+                acc = combine(exchange(subtree(grad, weight, groups, glu=glu, backend=provider)))
+                dx = acc.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = fns.extras["wgrad"](x, grad).t().to(weight.dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            dbias = fns.extras["wgrad"](grad.new_ones((grad.shape[0], 1)), grad)[0].to(grad.dtype)
+        return dx, dw, dbias, None, None, None, None, None
+
+
+def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              parallel: str, exchange=None, tp: int = 1, full_size: int | None = None,
+              groups: int = TP_GROUPS, glu: bool = False,
+              backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """One rank's shard of a linear layer with TP-invariant reductions (autograd included).
+
+    Args:
+        x: [M, K_local] (``row``) or [M, K] (``column``).
+        weight: ``nn.Linear`` layout, this rank's shard: [N, K_local] (``row``) or
+            [N_local, K] (``column``; ``glu``: rows ``[gate_r; up_r]``).
+        bias: [N] (``row``: the whole bias, added once after the combine) or [N_local].
+        parallel: ``"row"`` (K sharded) or ``"column"`` (N sharded).
+        exchange: all-gather of an fp32 tensor over the TP group, rank order (``None``: TP = 1).
+        tp: the TP degree; ``full_size``: the TP = 1 reduction length (checked against the
+            grouping; default: the local one times ``tp``).
+    Returns:
+        [M, N] (``row``) or [M, N_local] (``column``) in ``x.dtype``.
+    """
+    if parallel not in ("row", "column"):
+        raise ValueError(f"tp_linear: parallel={parallel!r}; expected 'row' or 'column'")
+    local = weight.shape[1] if parallel == "row" else weight.shape[0]
+    check_split(full_size or local * tp, tp, what="tp_linear", groups=groups, glu=glu)
+    if (exchange is None) != (tp == 1):
+        raise ValueError("tp_linear: pass an exchange function exactly when tp > 1")
+    provider = resolve_provider("det_gemm", x.device.type, backend)
+    return _TPLinearFn.apply(
+        x, weight, bias, parallel, groups // tp, glu, exchange or _single, provider
+    )
+
+
+@torch.library.custom_op("rl_engine::det_gemm_tp", mutates_args=())
+def _det_gemm_tp_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, groups: int, provider: str
+) -> torch.Tensor:
+    return finish(subtree(a, b, groups, backend=provider), bias, a.dtype)
+
+
+@_det_gemm_tp_op.register_fake
+def _(a, b, bias, groups, provider):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _setup_tp_context(ctx, inputs, output):
+    from rl_engine.ops import det_gemm as dg
+
+    a, b, bias, _, provider = inputs
+    dg._setup_context(ctx, (a, b, bias, provider), output)
+
+
+def _tp_backward(ctx, grad):
+    from rl_engine.ops import det_gemm as dg
+
+    da, db, dbias, _ = dg._backward(ctx, grad)
+    return da, db, dbias, None, None
+
+
+_det_gemm_tp_op.register_autograd(_tp_backward, setup_context=_setup_tp_context)
+
+
+def det_gemm_tp(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                groups: int = TP_GROUPS, backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """``a @ b (+ bias)`` with the TP-invariant K reduction, computed on one device (TP = 1).
+
+    Equal, bitwise, to ``finish(combine([subtree(a_r, b_r, groups // t) for r]), bias)`` over the
+    ``t`` contiguous K shards of every ``t`` in ``allowed_degrees(groups)``; differentiable
+    (backward: det_gemm's rule). Under ``torch.compile`` it is the custom op
+    ``rl_engine::det_gemm_tp`` (what the vLLM plugin's row-parallel layers trace).
+
+    Args:
+        a: [M, K] float, K a multiple of ``groups``.
+        b: [K, N], same dtype.
+        bias: optional [N].
+    Returns:
+        [M, N] in ``a.dtype``.
+    """
+    from rl_engine.ops.det_gemm import reference
+
+    reference._check(a, b, bias)
+    if torch.compiler.is_compiling():
+        check_split(a.shape[1], 1, what="det_gemm_tp", groups=groups)
+        provider = resolve_provider("det_gemm", a.device.type, backend)
+        return _det_gemm_tp_op(a, b, bias, groups, provider)
+    return tp_linear(a, b.t(), bias, parallel="row", groups=groups, backend=backend)

@@ -1,0 +1,162 @@
+"""Tensor-parallel degree invariance, checked with real process groups (gloo on the CPU, NCCL on
+GPUs): the Megatron trainer at TP = t loads a Hugging Face checkpoint, computes the packed
+token log-probs of a fixed batch and the gradients of their weighted sum; every rank saves what
+it holds. :func:`compare` then checks the log-probs against another degree's and each rank's
+gradient shard against the same rows / columns of the other run's (``shard_state`` of TP = 1).
+
+    python -m rl_engine.testing.tp_check --model PATH --tp 1,2,4 [--dtype bfloat16] [--out DIR]
+
+``RL_ENGINE_TP_GROUPS`` is set to 8 in every worker (TP = 1 then runs the TP-invariant
+reduction too). Prints one line per degree and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BATCH_SEED = 1234
+
+
+def batch(vocab: int, lengths=(7, 12, 3, 9)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed token ids [T] and cu_seqlens [B + 1] (a fixed function of ``vocab``)."""
+    g = torch.Generator().manual_seed(BATCH_SEED)
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, cu
+
+
+def _worker(
+    rank: int, world: int, store: str, model: str, dtype: str, out: str, groups: str
+) -> None:
+    if groups:
+        os.environ["RL_ENGINE_TP_GROUPS"] = groups
+    else:
+        os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from rl_engine.adapters.megatron import from_pretrained, token_logprobs
+    from rl_engine.adapters.megatron.cpu_shim import install
+    from rl_engine.config import reload
+
+    reload()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(world, 1)
+    install()
+    gpt = from_pretrained(model, dtype=getattr(torch, dtype))
+    ids, cu = batch(gpt.rl_engine_vocab_size)
+    device = next(gpt.parameters()).device
+    ids, cu = ids.to(device), cu.to(device)
+    logp = token_logprobs(gpt, ids, cu_seqlens=cu)
+    weights = torch.linspace(-1.0, 2.0, logp.numel(), device=device).to(logp.dtype)
+    (logp * weights).sum().backward()
+    grads = {n: p.grad.detach().cpu() for n, p in gpt.named_parameters() if p.grad is not None}
+    torch.save({"logp": logp.detach().cpu(), "grads": grads}, f"{out}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(
+    model: str, tp: int, out: str, dtype: str = "bfloat16", groups: str = "8"
+) -> list[dict[str, Any]]:
+    """Run the check at degree ``tp`` (``tp`` processes); returns every rank's saved results.
+
+    ``groups``: the workers' ``RL_ENGINE_TP_GROUPS`` (``""``: unset, so TP = 1 runs the plain
+    det_gemm reduction: the negative control)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.start_processes(
+            _worker,
+            args=(tp, store, model, dtype, out, groups),
+            nprocs=tp,
+            join=True,
+            start_method="spawn",
+        )
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(tp)]
+
+
+def hf_logprobs(model: str, dtype: str = "bfloat16", groups: str = "8") -> torch.Tensor:
+    """The patched Hugging Face trainer's packed log-probs of the same batch (this process)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_engine.adapters.hf import patch_model, token_logprobs
+    from rl_engine.config import reload
+
+    saved = os.environ.get("RL_ENGINE_TP_GROUPS")
+    os.environ["RL_ENGINE_TP_GROUPS"] = groups
+    reload()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        patch_model(hf)
+        ids, cu = batch(hf.config.vocab_size)
+        with torch.no_grad():
+            return token_logprobs(hf, ids, cu_seqlens=cu)
+    finally:
+        if saved is None:
+            os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+        else:
+            os.environ["RL_ENGINE_TP_GROUPS"] = saved
+        reload()
+
+
+def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
+    """Mismatches between a TP = 1 run ``base`` and a TP = t run ``other`` (empty: bitwise)."""
+    from rl_engine.adapters.megatron.loader import _read_config, shard_state
+
+    cfg = _read_config(model)
+    t = len(other)
+    bad = []
+    for r, res in enumerate(other):
+        if not torch.equal(res["logp"], base[0]["logp"]):
+            d = (res["logp"].float() - base[0]["logp"].float()).abs().max().item()
+            bad.append(f"rank {r}: log-probs differ from TP = 1 (max |d| {d:.3g})")
+        want = shard_state(base[0]["grads"], cfg, t, r)
+        for name, g in res["grads"].items():
+            ref = want.get(name)
+            if ref is None or ref.shape != g.shape or not torch.equal(ref, g):
+                bad.append(f"rank {r}: gradient of {name} differs from TP = 1's shard")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--tp", default="1,2,4", help="degrees, comma separated (the first: base)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None, help="folder for the per-rank results")
+    args = p.parse_args(argv)
+    degrees = [int(x) for x in args.tp.split(",")]
+    out = Path(args.out or tempfile.mkdtemp(prefix="tp_check_"))
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {t: run(args.model, t, str(out / f"tp{t}"), args.dtype) for t in degrees}
+    base = runs[degrees[0]]
+    hf = hf_logprobs(args.model, args.dtype)
+    same = torch.equal(hf, base[0]["logp"])
+    print(f"HF trainer vs Megatron TP {degrees[0]}: {'bitwise equal' if same else 'MISMATCH'}")
+    status = int(not same)
+    for t in degrees[1:]:
+        bad = compare(args.model, base, runs[t])
+        n = base[0]["logp"].numel()
+        print(f"TP {t} vs TP {degrees[0]}: {n} log-probs, {len(runs[t][0]['grads'])} gradient "
+              f"shards per rank: {'bitwise equal' if not bad else 'MISMATCH'}")  # fmt: skip
+        for line in bad[:10]:
+            print("  " + line)
+        status |= bool(bad)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
