@@ -143,3 +143,31 @@ def test_exchange_must_match_degree():
 
 def test_family_names_provider():
     assert tpm.family("cpu", "native") == "det_gemm_tp/g8[det_gemm/native-k16]"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_reduce_with_equals_combine(tp):
+    """The all-to-all + all-gather exchange, simulated rank by rank, gives the bits of
+    ``finish(combine(subtrees), bias)`` on every rank."""
+    g = torch.Generator().manual_seed(5)
+    subs = [torch.randn(6, 16, generator=g) for _ in range(tp)]
+    bias = torch.randn(16, generator=g).to(torch.bfloat16)
+    want = tpm.finish(tpm.combine(subs), bias, torch.bfloat16)
+    w = 16 // tp
+    blocks = [s.view(6, tp, w).transpose(0, 1).contiguous() for s in subs]
+    own = [
+        tpm.finish(
+            tpm.combine([blocks[r][j] for r in range(tp)]),
+            bias[j * w : (j + 1) * w],
+            torch.bfloat16,
+        )
+        for j in range(tp)
+    ]
+    for rank in range(tp):
+        ex = tpm.reduce_with(
+            lambda x, rank=rank: torch.stack([blocks[r][rank] for r in range(tp)]),
+            lambda x: own,
+            rank,
+            tp,
+        )
+        assert torch.equal(ex(subs[rank], bias, torch.bfloat16), want)

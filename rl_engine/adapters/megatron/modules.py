@@ -121,16 +121,21 @@ class RLColumnParallelLinear(ColumnParallelLinear):
 
 
 def _exchange(group: Any):
-    """All-gather of an fp32 tensor over the TP group, rank order (gloo or NCCL)."""
-    world = torch.distributed.get_world_size(group)
+    """The TP group's combine of fp32 subtrees (all-to-all + all-gather; gloo or NCCL)."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
 
-    def gather(t: torch.Tensor) -> list[torch.Tensor]:
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(world)]
-        torch.distributed.all_gather(parts, t, group=group)
+    def all_to_all(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    def all_gather(x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
         return parts
 
-    return gather
+    return tpm.reduce_with(all_to_all, all_gather, dist.get_rank(group), world)
 
 
 def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,

@@ -18,15 +18,16 @@ computation *is* that sum. Numerics of the ``tp`` reduction (family
 
 The tree's subtrees are contiguous runs of groups, so at any TP degree ``t`` dividing ``G``, rank
 ``r`` (holding groups ``[r G/t, (r+1) G/t)``) computes its subtree with :func:`subtree`, the
-ranks exchange these fp32 ``[M, N]`` partials, and :func:`combine` adds them with the tree's top
+ranks exchange these fp32 ``[M, N]`` partials (:func:`reduce_with`: all-to-all of column blocks,
+combine, all-gather of the rounded blocks), and :func:`combine` adds them with the tree's top
 levels: the TP = 1 bits on every rank, for every ``t`` in ``allowed_degrees()``.
 
 Layouts whose TP shard is not a contiguous slice (Megatron's fused ``[gate; up]`` FC1 holds
 ``[gate_r; up_r]`` on rank ``r``) pass ``glu=True``: group ``j`` is then gate rows ``j`` and up
 rows ``j`` (each half cut into ``G`` groups), in that order, on one rank as on ``t`` ranks.
 
-Cost: a rank sends one fp32 ``[M, N]`` partial instead of its bf16 share of a ring all-reduce
-(see ``docs/operators/det_gemm.md``, "Tensor parallelism").
+Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:func:`reduce_with`; see
+``docs/operators/det_gemm.md``, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "family",
     "groups_for",
     "pair_tree",
+    "reduce_with",
     "subtree",
     "tp_linear",
 ]
@@ -163,8 +165,35 @@ def pair_tree(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
-def _single(t: torch.Tensor) -> list[torch.Tensor]:
-    return [t]
+def _single(sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return finish(sub, bias, dtype)
+
+
+def reduce_with(all_to_all, all_gather, rank: int, world: int):
+    """The exchange of a TP group's rank subtrees, as ``exchange(sub, bias, dtype)``:
+
+    1. all-to-all of the fp32 subtrees' column blocks (rank ``j`` receives every rank's block
+       ``j``), 2. the tree's top levels and the bias on the own block, one rounding, 3. all-gather
+       of the rounded blocks. A rank sends ``(t-1)/t`` of an fp32 ``[M, N]`` and of a 16-bit one:
+       1.5x the bytes of a bf16 ring all-reduce, at every degree. The bits are those of
+       ``finish(combine(subtrees), bias)``: every output element is combined by one rank in the
+       same order.
+
+    ``all_to_all(x)``: ``x`` [t, ...] -> [t, ...] with ``out[r]`` = rank ``r``'s ``x[rank]``;
+    ``all_gather(x)``: every rank's ``x`` in rank order (a list).
+    """
+
+    def exchange(sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        m, n = sub.shape
+        if n % world:
+            raise ValueError(f"TP exchange: {n} output columns do not split over {world} ranks")
+        w = n // world
+        blocks = sub.view(m, world, w).transpose(0, 1).contiguous()  # [t, M, N/t]
+        mine = combine(list(all_to_all(blocks).unbind(0)))
+        own_bias = None if bias is None else bias[rank * w : (rank + 1) * w]
+        return torch.cat(all_gather(finish(mine, own_bias, dtype).contiguous()), dim=1)
+
+    return exchange
 
 
 class _TPLinearFn(torch.autograd.Function):
@@ -173,16 +202,15 @@ class _TPLinearFn(torch.autograd.Function):
     ``row`` (K sharded): forward = the grouped K reduction, its rank subtrees exchanged and
     combined; backward ``dx = grad @ W`` and ``dW`` are per element of the shard (exact at any
     degree). ``column`` (N sharded): forward = det_gemm (per column: exact); backward ``dx`` =
-    the grouped N reduction, exchanged and combined. ``exchange(t)`` returns every rank's ``t`` in
-    rank order (an all-gather; ``[t]`` at TP = 1).
+    the grouped N reduction, exchanged and combined. ``exchange(sub, bias, dtype)`` combines the
+    ranks' fp32 subtrees (:func:`reduce_with`; at TP = 1 :func:`finish` of the one subtree).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, parallel, groups, glu, exchange, provider):
         fns = KernelRegistry.provider("det_gemm", provider)
         if parallel == "row":
-            acc = combine(exchange(subtree(x, weight.t(), groups, backend=provider)))
-            out = finish(acc, bias, x.dtype)
+            out = exchange(subtree(x, weight.t(), groups, backend=provider), bias, x.dtype)
         else:
             out = fns.fn(x, weight.t(), bias)
         ctx.save_for_backward(x, weight)
@@ -200,8 +228,8 @@ class _TPLinearFn(torch.autograd.Function):
             if parallel == "row":
                 dx = fns.fn(grad, weight, None)
             else:
-                acc = combine(exchange(subtree(grad, weight, groups, glu=glu, backend=provider)))
-                dx = acc.to(x.dtype)
+                sub = subtree(grad, weight, groups, glu=glu, backend=provider)
+                dx = exchange(sub, None, x.dtype)
         if ctx.needs_input_grad[1]:
             dw = fns.extras["wgrad"](x, grad).t().to(weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -221,7 +249,7 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
             [N_local, K] (``column``; ``glu``: rows ``[gate_r; up_r]``).
         bias: [N] (``row``: the whole bias, added once after the combine) or [N_local].
         parallel: ``"row"`` (K sharded) or ``"column"`` (N sharded).
-        exchange: all-gather of an fp32 tensor over the TP group, rank order (``None``: TP = 1).
+        exchange: the TP group's combine of fp32 subtrees (:func:`reduce_with`; ``None``: TP = 1).
         tp: the TP degree; ``full_size``: the TP = 1 reduction length (checked against the
             grouping; default: the local one times ``tp``).
     Returns:
