@@ -171,3 +171,37 @@ def test_reduce_with_equals_combine(tp):
             tp,
         )
         assert torch.equal(ex(subs[rank], bias, torch.bfloat16), want)
+
+
+def _triton_or_skip():
+    from rl_engine.config import settings
+    from rl_engine.registry import KernelRegistry
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    prov = KernelRegistry.provider("det_gemm", "triton")
+    reason = prov.why_not(dev, triton_interpret=settings().triton_interpret)
+    if reason is not None:
+        pytest.skip(reason)
+    return dev
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_triton_provider_shards_equal_tp1(tp):
+    """The same identities with the Triton det_gemm provider's fp32 products (GPU, or the
+    interpreter: scripts/test.sh runs this file with TRITON_INTERPRET=1, -k triton)."""
+    dev = _triton_or_skip()
+    a, w, bias = (t.to(dev) for t in _data(13, 64, 24, torch.float32, seed=4))
+    full = tpm.det_gemm_tp(a, w.t(), bias, backend="triton")
+    step = 64 // tp
+    subs = [
+        tpm.subtree(
+            a[:, r * step : (r + 1) * step],
+            w.t()[r * step : (r + 1) * step],
+            8 // tp,
+            backend="triton",
+        )
+        for r in range(tp)
+    ]
+    assert torch.equal(tpm.finish(tpm.combine(subs), bias, a.dtype), full)
+    assert torch.equal(tpm.det_gemm_tp(a[3:7], w.t(), bias, backend="triton"), full[3:7])
+    assert tpm.family(dev, "triton").startswith("det_gemm_tp/g8[det_gemm/triton-")
