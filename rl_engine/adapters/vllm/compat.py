@@ -217,6 +217,7 @@ def layers() -> SimpleNamespace:
         RMSNorm=get(f"{mel}.layernorm", "RMSNorm"),
         LinearBase=get(f"{mel}.linear", "LinearBase"),
         UnquantizedLinearMethod=get(f"{mel}.linear", "UnquantizedLinearMethod"),
+        RowParallelLinear=get(f"{mel}.linear", "RowParallelLinear"),
         VocabParallelEmbedding=get(f"{mel}.vocab_parallel_embedding", "VocabParallelEmbedding"),
         UnquantizedEmbeddingMethod=get(
             f"{mel}.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"
@@ -235,6 +236,34 @@ def layers() -> SimpleNamespace:
         VllmConfig=get("vllm.config", "VllmConfig"),
         WorkerBase=get("vllm.v1.worker.worker_base", "WorkerBase"),
     )
+
+
+def tp_exchange() -> str:
+    """The name under which vLLM's tensor-parallel group's exchange of fp32 subtrees is
+    registered (:func:`rl_engine.ops.det_gemm.tp.reduce_with` over ``get_tp_group()``'s device
+    group: all-to-all + all-gather, gloo or NCCL); registered on first use."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    g = get_tp_group()
+    name = f"vllm:{g.unique_name}"
+    if name not in tpm._EXCHANGES:
+        group, world = g.device_group, g.world_size
+
+        def all_to_all(x):
+            out = x.new_empty(x.shape)
+            dist.all_to_all_single(out, x, group=group)
+            return out
+
+        def all_gather(x):
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x, group=group)
+            return parts
+
+        tpm.register_exchange(name, tpm.reduce_with(all_to_all, all_gather, g.rank_in_group, world))
+    return name
 
 
 STRUCTURAL_MODULES = (

@@ -117,6 +117,36 @@ def _make_linear_apply(original):
     return apply
 
 
+def _make_row_parallel_forward(original):
+    def forward(self, input_):
+        """At TP > 1: the TP-invariant K reduction (this rank's subtree, the fp32 subtrees
+        exchanged over vLLM's TP group, one rounding) instead of the GEMM + all-reduce sum."""
+        tp = self.tp_size
+        if tp == 1:
+            return original(self, input_)
+        if not self.reduce_results or type(self.quant_method).__name__ != "UnquantizedLinearMethod":
+            _unrouted_call(self, "a row-parallel layer without reduce_results or quantized")
+            return original(self, input_)
+        from rl_engine.adapters.vllm import compat
+        from rl_engine.ops.det_gemm import tp as tpm
+
+        groups = tpm.groups_for(tp)
+        tpm.check_split(self.input_size, tp, what=type(self).__name__, groups=groups)
+        x = input_
+        if not self.input_is_parallel:
+            x = x.chunk(tp, dim=-1)[self.tp_rank].contiguous()
+        bias = None if self.skip_bias_add else self.bias
+        k = x.shape[-1]
+        out = tpm.tp_row_parallel(
+            x.reshape(-1, k), self.weight.t(), bias, groups // tp, compat.tp_exchange()
+        ).reshape(*x.shape[:-1], self.weight.shape[0])
+        if not self.return_bias:
+            return out
+        return out, (self.bias if self.skip_bias_add else None)
+
+    return forward
+
+
 def _make_keep_weight(original):
     def process_weights_after_loading(self, layer):
         """Keep ``layer.weight`` as loaded: the routed GEMM reads it directly."""
@@ -521,6 +551,7 @@ def apply_layer_patches() -> None:
     _rope_classes()  # cache before any traced forward needs it
     _patch(lay.UnquantizedLinearMethod, "apply", _make_linear_apply)
     _patch(lay.UnquantizedLinearMethod, "process_weights_after_loading", _make_keep_weight)
+    _patch(lay.RowParallelLinear, "forward", _make_row_parallel_forward)
     _patch(lay.UnquantizedEmbeddingMethod, "apply", _make_linear_apply)
     _patch(lay.UnquantizedEmbeddingMethod, "process_weights_after_loading", _make_keep_weight)
     _patch(lay.RMSNorm, "forward", _make_rms_forward)

@@ -33,6 +33,7 @@ Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:func:`reduce_wi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,6 +49,8 @@ __all__ = [
     "groups_for",
     "pair_tree",
     "reduce_with",
+    "register_exchange",
+    "tp_row_parallel",
     "subtree",
     "tp_linear",
 ]
@@ -265,6 +268,44 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return _TPLinearFn.apply(
         x, weight, bias, parallel, groups // tp, glu, exchange or _single, provider
     )
+
+
+# exchanges of engines whose process groups a custom op cannot take as an argument (vLLM's TP
+# group): registered by name, looked up inside ``rl_engine::tp_row_parallel``
+_EXCHANGES: dict[str, Any] = {}
+
+
+def register_exchange(name: str, exchange: Any) -> None:
+    """Make ``exchange(sub, bias, dtype)`` (:func:`reduce_with`) callable by ``name``."""
+    _EXCHANGES[name] = exchange
+
+
+@torch.library.custom_op("rl_engine::tp_row_parallel", mutates_args=())
+def _tp_row_parallel_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: int,
+    exchange: str,
+    provider: str,
+) -> torch.Tensor:
+    if exchange not in _EXCHANGES:
+        raise RuntimeError(f"tp_row_parallel: no exchange registered as {exchange!r}")
+    return _EXCHANGES[exchange](subtree(a, b, groups, backend=provider), bias, a.dtype)
+
+
+@_tp_row_parallel_op.register_fake
+def _(a, b, bias, groups, exchange, provider):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def tp_row_parallel(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, groups: int,
+                    exchange: str, *, backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """Inference form of a row-parallel shard (custom op, opaque to ``torch.compile``):
+    ``a [M, K_local] @ b [K_local, N]`` as this rank's subtree of ``groups`` groups, combined
+    with the other ranks' by the exchange registered as ``exchange``; the whole ``bias`` [N]."""
+    provider = resolve_provider("det_gemm", a.device.type, backend)
+    return _tp_row_parallel_op(a, b, bias, groups, exchange, provider)
 
 
 @torch.library.custom_op("rl_engine::det_gemm_tp", mutates_args=())

