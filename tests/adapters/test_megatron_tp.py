@@ -68,3 +68,24 @@ def test_shard_state_refuses_degrees_the_shapes_do_not_allow():
         shard_state({}, cfg, 8, 0)
     with pytest.raises(UnsupportedNumericsError, match="degree 3"):
         shard_state({}, cfg, 3, 0)
+
+
+def test_check_tp_shapes_names_the_allowed_degrees(monkeypatch):
+    from rl_engine import config
+    from rl_engine.adapters.megatron.loader import check_tp_shapes
+
+    cfg = dict(SHAPE)
+    check_tp_shapes(cfg, 4)  # fine
+    with pytest.raises(UnsupportedNumericsError, match=r"allowed degrees: \[1, 2, 4, 8\]"):
+        check_tp_shapes(cfg, 3)
+    with pytest.raises(UnsupportedNumericsError, match="vocabulary.*not a multiple of 8"):
+        check_tp_shapes({**cfg, "vocab_size": 260}, 2)
+    monkeypatch.setenv("RL_ENGINE_TP_GROUPS", "0")
+    config.reload()
+    try:
+        with pytest.raises(ValueError, match="RL_ENGINE_TP_GROUPS=0"):
+            check_tp_shapes(cfg, 2)
+        check_tp_shapes({**cfg, "vocab_size": 260}, 1)  # the plain reduction: nothing to split
+    finally:
+        monkeypatch.delenv("RL_ENGINE_TP_GROUPS")
+        config.reload()

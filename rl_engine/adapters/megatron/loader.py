@@ -154,6 +154,34 @@ def hf_to_megatron_state(
     return out
 
 
+def check_tp_shapes(cfg: dict[str, Any], tp: int) -> None:
+    """Refuse, at model build, a TP degree or sizes the TP-invariant reductions cannot split:
+    the row-parallel K (attention output ``heads x head_dim``, FFN) and the column-parallel N
+    of the input gradient (QKV rows, ``[gate; up]``, vocabulary). Nothing to check when the
+    configuration leaves the plain reduction on (TP = 1, ``RL_ENGINE_TP_GROUPS`` unset)."""
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    groups = tpm.groups_for(tp)
+    if groups is None:
+        return
+    nq = cfg["num_attention_heads"]
+    ng = cfg.get("num_key_value_heads") or nq
+    d = cfg.get("head_dim") or cfg["hidden_size"] // nq
+    ffn = cfg["intermediate_size"]
+    sizes = {
+        "attention output (heads x head_dim)": (nq * d, False),
+        "FFN (down projection)": (ffn, False),
+        "QKV rows": ((nq + 2 * ng) * d, False),
+        "FFN [gate; up] rows": (2 * ffn, True),
+        "vocabulary": (cfg["vocab_size"], False),
+    }
+    for what, (size, glu) in sizes.items():
+        try:
+            tpm.check_split(size, tp, what=f"from_pretrained: {what}", groups=groups, glu=glu)
+        except ValueError as exc:
+            raise UnsupportedNumericsError(str(exc)) from None
+
+
 def shard_state(
     state: dict[str, torch.Tensor], cfg: dict[str, Any], tp: int, rank: int
 ) -> dict[str, torch.Tensor]:
@@ -299,6 +327,7 @@ def from_pretrained(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    check_tp_shapes(cfg, tp)
     tcfg = hf_config_to_megatron(cfg, dtype, **config_overrides)
     rope = rope_from_hf_config(cfg)
     spec = get_gpt_block_rl_spec(tcfg.num_layers, qk_layernorm=tcfg.qk_layernorm, rope=rope)
