@@ -11,7 +11,6 @@ gloo on the CPU, NCCL on GPUs. Prints one line; exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from typing import Any
@@ -56,13 +55,11 @@ def _full_grads(hf: Any) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str) -> None:
     torch.set_num_threads(1)
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    from rl_engine.testing._spawn import init
+
+    dist = init(rank, world, store)
     hf = _load(model, dtype)
     if torch.cuda.is_available():
         hf = hf.cuda()
@@ -80,16 +77,14 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
     dist.destroy_process_group()
 
 
-def run(model: str, ranks: int, out: str, dtype: str = "float32") -> list[dict[str, Any]]:
-    """FSDP2 over ``ranks`` processes; every rank's log-probs and gathered gradients."""
-    import torch.multiprocessing as mp
+def run(
+    model: str, ranks: int, out: str, dtype: str = "float32", device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """FSDP2 over ``ranks`` processes; every rank's log-probs and gathered gradients
+    (``device``: ``cpu`` = gloo, ``cuda`` = NCCL with a GPU per rank, ``auto``)."""
+    from rl_engine.testing._spawn import spawn
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.start_processes(
-            _worker, args=(ranks, store, model, dtype, out), nprocs=ranks, join=True,
-            start_method="spawn",
-        )  # fmt: skip
+    spawn(_worker, ranks, (model, dtype, out), device)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(ranks)]
 
 
@@ -117,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto", help="cpu, cuda (a GPU per rank) or auto")
     args = p.parse_args(argv)
     out = tempfile.mkdtemp(prefix="fsdp_check_")
     bad = compare(
-        single(args.model, args.dtype), run(args.model, args.ranks, out + "/r", args.dtype)
+        single(args.model, args.dtype),
+        run(args.model, args.ranks, out + "/r", args.dtype, args.device),
     )
     print(f"FSDP2 x{args.ranks} vs one process: {'bitwise equal' if not bad else 'MISMATCH'}")
     for line in bad[:10]:

@@ -40,18 +40,15 @@ def _worker(
     else:
         os.environ.pop("RL_ENGINE_TP_GROUPS", None)
     torch.set_num_threads(1)
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from rl_engine.adapters.megatron import from_pretrained, token_logprobs
     from rl_engine.adapters.megatron.cpu_shim import install
     from rl_engine.config import reload
+    from rl_engine.testing._spawn import init
 
     reload()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist = init(rank, world, store)
     parallel_state.initialize_model_parallel(world, 1)
     install()
     gpt = from_pretrained(model, dtype=getattr(torch, dtype))
@@ -68,23 +65,16 @@ def _worker(
 
 
 def run(
-    model: str, tp: int, out: str, dtype: str = "bfloat16", groups: str = "8"
+    model: str, tp: int, out: str, dtype: str = "bfloat16", groups: str = "8", device: str = "cpu"
 ) -> list[dict[str, Any]]:
     """Run the check at degree ``tp`` (``tp`` processes); returns every rank's saved results.
 
     ``groups``: the workers' ``RL_ENGINE_TP_GROUPS`` (``""``: unset, so TP = 1 runs the plain
-    det_gemm reduction: the negative control)."""
-    import torch.multiprocessing as mp
+    det_gemm reduction: the negative control). ``device``: ``cpu`` (gloo), ``cuda`` (NCCL, one
+    GPU per rank) or ``auto``."""
+    from rl_engine.testing._spawn import spawn
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.start_processes(
-            _worker,
-            args=(tp, store, model, dtype, out, groups),
-            nprocs=tp,
-            join=True,
-            start_method="spawn",
-        )
+    spawn(_worker, tp, (model, dtype, out, groups), device)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(tp)]
 
 
@@ -137,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", default="1,2,4", help="degrees, comma separated (the first: base)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None, help="folder for the per-rank results")
+    p.add_argument("--device", default="auto", help="cpu, cuda (a GPU per rank) or auto")
     args = p.parse_args(argv)
     degrees = [int(x) for x in args.tp.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="tp_check_"))
     out.mkdir(parents=True, exist_ok=True)
-    runs = {t: run(args.model, t, str(out / f"tp{t}"), args.dtype) for t in degrees}
+    runs = {
+        t: run(args.model, t, str(out / f"tp{t}"), args.dtype, device=args.device) for t in degrees
+    }
     base = runs[degrees[0]]
     hf = hf_logprobs(args.model, args.dtype)
     same = torch.equal(hf, base[0]["logp"])

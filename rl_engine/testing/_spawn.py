@@ -1,0 +1,61 @@
+"""Spawning the ranks of a multi-process check (gloo on the CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def use_cuda(ranks: int, device: str) -> bool:
+    """``device``: ``cpu``, ``cuda`` (one GPU per rank, else an error) or ``auto`` (CUDA when
+    every rank gets a GPU of its own, else the CPU)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected auto, cpu or cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < ranks:
+        raise RuntimeError(f"{ranks} ranks need {ranks} GPUs; {gpus} visible")
+    return device == "cuda" or (device == "auto" and gpus >= ranks)
+
+
+@contextlib.contextmanager
+def _cpu_only(on: bool) -> Iterator[None]:
+    """Hide the GPUs from the spawned ranks (they inherit the environment at spawn)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if on:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if on:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def spawn(worker: Callable[..., None], ranks: int, args: tuple, device: str) -> None:
+    """``worker(rank, ranks, store, *args)`` in ``ranks`` spawned processes (file store)."""
+    import torch.multiprocessing as mp
+
+    cuda = use_cuda(ranks, device)
+    with tempfile.TemporaryDirectory() as tmp, _cpu_only(not cuda):
+        store = os.path.join(tmp, "store")
+        mp.start_processes(
+            worker, args=(ranks, store, *args), nprocs=ranks, join=True, start_method="spawn"
+        )
+
+
+def init(rank: int, world: int, store: str) -> Any:
+    """The rank's process group: NCCL with GPU ``rank`` when CUDA is visible, else gloo."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    return dist
