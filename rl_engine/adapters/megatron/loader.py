@@ -328,6 +328,7 @@ def from_pretrained(
         dtype = getattr(torch, dtype)
     tied = bool(cfg.get("tie_word_embeddings", False))
     check_tp_shapes(cfg, tp)
+    config_overrides.setdefault("tensor_model_parallel_size", tp)
     tcfg = hf_config_to_megatron(cfg, dtype, **config_overrides)
     rope = rope_from_hf_config(cfg)
     spec = get_gpt_block_rl_spec(tcfg.num_layers, qk_layernorm=tcfg.qk_layernorm, rope=rope)

@@ -89,6 +89,33 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of the sequence-parallel final hidden states along the sequence (dim 0);
+    backward: this rank's block of the (replicated, identical on every rank) gradient. Exact
+    copies both ways (Megatron's own gather would reduce-scatter the gradient: a sum of the
+    ranks' identical copies)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, group: Any) -> torch.Tensor:
+        world = torch.distributed.get_world_size(group)
+        ctx.rank, ctx.rows = torch.distributed.get_rank(group), h.shape[0]
+        parts = [torch.empty_like(h) for _ in range(world)]
+        torch.distributed.all_gather(parts, h.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
+
+
+def _gather_sequence(h: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return h
+    return _GatherSequence.apply(h, parallel_state.get_tensor_model_parallel_group())
+
+
 def _gather_vocab_rows(w: torch.Tensor, vocab: int) -> torch.Tensor:
     """The whole LM head from its TP shards: every rank then computes the log-probs over the
     whole vocabulary in the single-device order (the same bits at every TP degree; costs the
@@ -109,7 +136,10 @@ def _hidden(gpt: Any, ids: torch.Tensor, packed_seq_params: Any = None) -> torch
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
     emb = gpt.embedding(input_ids=ids, position_ids=pos)
-    return gpt.decoder(hidden_states=emb, attention_mask=None, packed_seq_params=packed_seq_params)
+    h = gpt.decoder(hidden_states=emb, attention_mask=None, packed_seq_params=packed_seq_params)
+    if getattr(gpt.config, "sequence_parallel", False):
+        h = _gather_sequence(h)
+    return h
 
 
 def _packed_params(cu: torch.Tensor) -> Any:

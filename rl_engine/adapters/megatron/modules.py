@@ -75,7 +75,8 @@ def _refuse(cond: bool, what: str) -> None:
 
 
 def _check_linear(layer: Any) -> None:
-    _refuse(getattr(layer, "sequence_parallel", False), "sequence parallelism")
+    # sequence parallelism: only with the TP-invariant reduction (its reduce-scatter), checked
+    # in the forward
     _refuse(getattr(layer, "explicit_expert_comm", False), "expert-parallel linear layers")
     _refuse(
         bool(getattr(layer.config, "defer_embedding_wgrad_compute", False)),
@@ -109,6 +110,7 @@ class RLColumnParallelLinear(ColumnParallelLinear):
         tp = _tp_size(self.tp_group)
         groups = tpm.groups_for(tp)
         if groups is None:
+            _plain_or_refuse_sp(self)
             out = _linear(input_, weight, bias)
         else:  # forward per column (exact); backward dx: the TP-invariant N reduction
             glu = bool(getattr(self, "rl_engine_glu", False))
@@ -140,7 +142,9 @@ def _exchange(group: Any):
 
 def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,
                groups: int, full_size: int, glu: bool = False) -> torch.Tensor:  # fmt: skip
-    """A TP layer's shard through :func:`rl_engine.ops.det_gemm.tp.tp_linear` ([..., K] input)."""
+    """A TP layer's shard through :func:`rl_engine.ops.det_gemm.tp.tp_linear` ([..., K] input;
+    with sequence parallelism the first dim of ``x`` / the output is this rank's block)."""
+    sp = bool(getattr(layer, "sequence_parallel", False)) and tp > 1
     shape = x.shape
     y = tpm.tp_linear(
         x.reshape(-1, shape[-1]),
@@ -152,8 +156,19 @@ def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel
         full_size=full_size,
         groups=groups,
         glu=glu,
+        sequence_parallel=sp,
     )
-    return y.view(*shape[:-1], y.shape[-1])
+    lead = list(shape[:-1])
+    if sp:  # column: the gathered rows; row: this rank's block of rows
+        lead[0] = lead[0] * tp if parallel == "column" else lead[0] // tp
+    return y.view(*lead, y.shape[-1])
+
+
+def _plain_or_refuse_sp(layer: Any) -> None:
+    _refuse(
+        bool(getattr(layer, "sequence_parallel", False)),
+        "sequence parallelism with the plain reduction (RL_ENGINE_TP_GROUPS=0, or TP = 1)",
+    )
 
 
 class RLRowParallelLinear(RowParallelLinear):
@@ -173,6 +188,7 @@ class RLRowParallelLinear(RowParallelLinear):
         groups = tpm.groups_for(tp)
         bias = self.bias if not self.skip_bias_add else None
         if groups is None:  # TP = 1, plain det_gemm (the bias fused, as the rollout does)
+            _plain_or_refuse_sp(self)
             out = _linear(input_, self.weight, bias)
         else:
             out = _tp_linear(self, input_, self.weight, bias, "row", tp, groups, self.input_size)

@@ -48,6 +48,7 @@ __all__ = [
     "family",
     "groups_for",
     "pair_tree",
+    "Exchange",
     "reduce_with",
     "register_exchange",
     "tp_row_parallel",
@@ -168,35 +169,63 @@ def pair_tree(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
-def _single(sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    return finish(sub, bias, dtype)
+class Exchange:
+    """How the ranks of a TP group combine their fp32 subtrees (TP = 1: one rank, no traffic).
 
+    * ``ex(sub, bias, dtype)``: the whole ``[M, N]`` result on every rank. 1. all-to-all of the
+      subtrees' column blocks (rank ``j`` receives every rank's block ``j``), 2. the tree's top
+      levels, the bias and one rounding on the own block, 3. all-gather of the rounded blocks.
+      A rank sends ``(t-1)/t`` of an fp32 ``[M, N]`` and of a 16-bit one: 1.5x the bytes of a
+      bf16 ring all-reduce at every degree.
+    * ``ex.scatter(sub, bias, dtype)``: sequence parallelism's reduce-scatter: the all-to-all of
+      *row* blocks and the combine of the own rows, no all-gather (1x a ring reduce-scatter's
+      bytes in fp32, 2x in bf16 terms).
+    * ``ex.gather_rows(x)``: all-gather along rows (exact copies).
 
-def reduce_with(all_to_all, all_gather, rank: int, world: int):
-    """The exchange of a TP group's rank subtrees, as ``exchange(sub, bias, dtype)``:
-
-    1. all-to-all of the fp32 subtrees' column blocks (rank ``j`` receives every rank's block
-       ``j``), 2. the tree's top levels and the bias on the own block, one rounding, 3. all-gather
-       of the rounded blocks. A rank sends ``(t-1)/t`` of an fp32 ``[M, N]`` and of a 16-bit one:
-       1.5x the bytes of a bf16 ring all-reduce, at every degree. The bits are those of
-       ``finish(combine(subtrees), bias)``: every output element is combined by one rank in the
-       same order.
-
-    ``all_to_all(x)``: ``x`` [t, ...] -> [t, ...] with ``out[r]`` = rank ``r``'s ``x[rank]``;
-    ``all_gather(x)``: every rank's ``x`` in rank order (a list).
+    Every output element is combined by one rank in the order of ``finish(combine(subtrees))``:
+    the same bits as one device. ``all_to_all(x)``: ``x`` [t, ...] -> [t, ...] with ``out[r]``
+    = rank ``r``'s ``x[rank]``; ``all_gather(x)``: every rank's ``x`` in rank order (a list).
     """
 
-    def exchange(sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        m, n = sub.shape
-        if n % world:
-            raise ValueError(f"TP exchange: {n} output columns do not split over {world} ranks")
-        w = n // world
-        blocks = sub.view(m, world, w).transpose(0, 1).contiguous()  # [t, M, N/t]
-        mine = combine(list(all_to_all(blocks).unbind(0)))
-        own_bias = None if bias is None else bias[rank * w : (rank + 1) * w]
-        return torch.cat(all_gather(finish(mine, own_bias, dtype).contiguous()), dim=1)
+    def __init__(self, all_to_all=None, all_gather=None, rank: int = 0, world: int = 1) -> None:
+        self.all_to_all, self.all_gather = all_to_all, all_gather
+        self.rank, self.world = rank, world
 
-    return exchange
+    def _blocks(self, n: int, what: str) -> int:
+        if n % self.world:
+            raise ValueError(f"TP exchange: {n} {what} do not split over {self.world} ranks")
+        return n // self.world
+
+    def __call__(self, sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        if self.world == 1:
+            return finish(sub, bias, dtype)
+        m, n = sub.shape
+        w = self._blocks(n, "output columns")
+        blocks = sub.view(m, self.world, w).transpose(0, 1).contiguous()  # [t, M, N/t]
+        mine = combine(list(self.all_to_all(blocks).unbind(0)))
+        own_bias = None if bias is None else bias[self.rank * w : (self.rank + 1) * w]
+        return torch.cat(self.all_gather(finish(mine, own_bias, dtype).contiguous()), dim=1)
+
+    def scatter(self, sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        if self.world == 1:
+            return finish(sub, bias, dtype)
+        m, n = sub.shape
+        h = self._blocks(m, "rows (tokens)")
+        mine = combine(list(self.all_to_all(sub.view(self.world, h, n).contiguous()).unbind(0)))
+        return finish(mine, bias, dtype)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        return torch.cat(self.all_gather(x.contiguous()), dim=0)
+
+
+def reduce_with(all_to_all, all_gather, rank: int, world: int) -> Exchange:
+    """The :class:`Exchange` of a TP group from its two collectives."""
+    return Exchange(all_to_all, all_gather, rank, world)
+
+
+_SINGLE = Exchange()
 
 
 class _TPLinearFn(torch.autograd.Function):
@@ -205,44 +234,52 @@ class _TPLinearFn(torch.autograd.Function):
     ``row`` (K sharded): forward = the grouped K reduction, its rank subtrees exchanged and
     combined; backward ``dx = grad @ W`` and ``dW`` are per element of the shard (exact at any
     degree). ``column`` (N sharded): forward = det_gemm (per column: exact); backward ``dx`` =
-    the grouped N reduction, exchanged and combined. ``exchange(sub, bias, dtype)`` combines the
-    ranks' fp32 subtrees (:func:`reduce_with`; at TP = 1 :func:`finish` of the one subtree).
+    the grouped N reduction, exchanged and combined. ``exchange``: the group's
+    :class:`Exchange`. ``sp`` (sequence parallelism): the layer's token rows are sharded too;
+    column parallel all-gathers its input rows (backward: the grouped reduce-scatter), row
+    parallel reduce-scatters its output (backward: all-gather of the gradient rows).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, parallel, groups, glu, exchange, provider):
+    def forward(ctx, x, weight, bias, parallel, groups, glu, exchange, sp, provider):
         fns = KernelRegistry.provider("det_gemm", provider)
         if parallel == "row":
-            out = exchange(subtree(x, weight.t(), groups, backend=provider), bias, x.dtype)
+            sub = subtree(x, weight.t(), groups, backend=provider)
+            out = (exchange.scatter if sp else exchange)(sub, bias, x.dtype)
         else:
+            if sp:
+                x = exchange.gather_rows(x)
             out = fns.fn(x, weight.t(), bias)
         ctx.save_for_backward(x, weight)
-        ctx.meta = (parallel, groups, glu, exchange, provider, bias is not None)
+        ctx.meta = (parallel, groups, glu, exchange, sp, provider, bias is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        parallel, groups, glu, exchange, provider, has_bias = ctx.meta
+        parallel, groups, glu, exchange, sp, provider, has_bias = ctx.meta
         fns = KernelRegistry.provider("det_gemm", provider)
         grad = grad.to(x.dtype)
+        if parallel == "row" and sp:
+            grad = exchange.gather_rows(grad)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             if parallel == "row":
                 dx = fns.fn(grad, weight, None)
             else:
                 sub = subtree(grad, weight, groups, glu=glu, backend=provider)
-                dx = exchange(sub, None, x.dtype)
+                dx = (exchange.scatter if sp else exchange)(sub, None, x.dtype)
         if ctx.needs_input_grad[1]:
             dw = fns.extras["wgrad"](x, grad).t().to(weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             dbias = fns.extras["wgrad"](grad.new_ones((grad.shape[0], 1)), grad)[0].to(grad.dtype)
-        return dx, dw, dbias, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None
 
 
 def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              parallel: str, exchange=None, tp: int = 1, full_size: int | None = None,
-              groups: int = TP_GROUPS, glu: bool = False,
+              parallel: str, exchange: Exchange | None = None, tp: int = 1,
+              full_size: int | None = None, groups: int = TP_GROUPS, glu: bool = False,
+              sequence_parallel: bool = False,
               backend: str | None = None) -> torch.Tensor:  # fmt: skip
     """One rank's shard of a linear layer with TP-invariant reductions (autograd included).
 
@@ -252,7 +289,8 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
             [N_local, K] (``column``; ``glu``: rows ``[gate_r; up_r]``).
         bias: [N] (``row``: the whole bias, added once after the combine) or [N_local].
         parallel: ``"row"`` (K sharded) or ``"column"`` (N sharded).
-        exchange: the TP group's combine of fp32 subtrees (:func:`reduce_with`; ``None``: TP = 1).
+        exchange: the TP group's :class:`Exchange` (``None``: TP = 1).
+        sequence_parallel: ``x`` (column) / the output (row) holds this rank's block of rows.
         tp: the TP degree; ``full_size``: the TP = 1 reduction length (checked against the
             grouping; default: the local one times ``tp``).
     Returns:
@@ -266,7 +304,15 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError("tp_linear: pass an exchange function exactly when tp > 1")
     provider = resolve_provider("det_gemm", x.device.type, backend)
     return _TPLinearFn.apply(
-        x, weight, bias, parallel, groups // tp, glu, exchange or _single, provider
+        x,
+        weight,
+        bias,
+        parallel,
+        groups // tp,
+        glu,
+        exchange or _SINGLE,
+        sequence_parallel,
+        provider,
     )
 
 
