@@ -16,7 +16,7 @@ def _check(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"rl_engine check on {device} (torch {torch.__version__})")
-    print(f"{'op':<14} {'provider':<10} {'numerics':<30} self-test")
+    print(f"{'op':<14} {'provider':<10} {'numerics':<36} self-test")
     failures = 0
     for op_type in KernelRegistry.known_ops():
         try:
@@ -38,7 +38,7 @@ def _check(args: argparse.Namespace) -> int:
             except Exception as exc:
                 status = f"FAIL: {type(exc).__name__}: {exc}"
                 failures += 1
-        print(f"{op_type:<14} {op.provider.name:<10} {op.numerics:<30} {status}")
+        print(f"{op_type:<14} {op.provider.name:<10} {op.numerics:<36} {status}")
     print("all invariance self-tests passed" if not failures else f"{failures} op(s) failed")
     return 1 if failures else 0
 

@@ -24,7 +24,7 @@ Variables:
         never writes outside the cache either way.
     RL_ENGINE_TP_GROUPS: the TP-invariant reduction of the GEMMs that tensor parallelism shards
         (``rl_engine.ops.det_gemm.tp``): unset = on with 8 groups at TP > 1, off at TP = 1;
-        ``8`` (a power of two) = on at every degree, TP = 1 included (set it on every side: the
+        ``8`` = on at every degree, TP = 1 included (set it on every side: the
         rollout and the trainers at TP 1, 2, 4, 8 then agree bitwise); ``0`` = off (TP > 1 is
         refused).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
@@ -73,9 +73,10 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
     raw_groups = environ.get(_PREFIX + "TP_GROUPS", "").strip()
     tp_groups = None
     if raw_groups:
-        if not raw_groups.isdigit() or (int(raw_groups) & (int(raw_groups) - 1)):
+        if raw_groups not in ("0", "8"):
             raise ValueError(
-                f"{_PREFIX}TP_GROUPS={raw_groups!r}: expected 0 (off) or a power of two (e.g. 8)"
+                f"{_PREFIX}TP_GROUPS={raw_groups!r}: expected 0 (off) or 8 (the group count of "
+                "the TP-invariant reduction, a fixed part of its numerics)"
             )
         tp_groups = int(raw_groups)
     return Settings(

@@ -63,6 +63,7 @@ class NoInvariantProviderError(RLEngineError):
 # Op types and the module that defines each (imported on first use).
 _OP_MODULES: dict[str, str] = {
     "det_gemm": "rl_engine.ops.det_gemm",
+    "det_gemm_tp": "rl_engine.ops.det_gemm.tp",
     "rms_norm": "rl_engine.ops.rms_norm",
     "poly_norm": "rl_engine.ops.poly_norm",
     "silu_and_mul": "rl_engine.ops.silu_and_mul",

@@ -105,8 +105,15 @@ def groups_for(tp: int) -> int | None:
     return g
 
 
+def _resolve(device_type: str, backend: str | None) -> str:
+    """The det_gemm provider whose fp32 products the TP reduction uses: det_gemm's own choice
+    (or ``backend``), resolved (and recorded for provenance) as the op ``det_gemm_tp``."""
+    name = backend or resolve_provider("det_gemm", device_type)
+    return resolve_provider("det_gemm_tp", device_type, name)
+
+
 def _provider(device: torch.device, backend: str | None):
-    return KernelRegistry.provider("det_gemm", resolve_provider("det_gemm", device.type, backend))
+    return KernelRegistry.provider("det_gemm", _resolve(device.type, backend))
 
 
 def family(device: torch.device | str = "cpu", backend: str | None = None,
@@ -302,7 +309,7 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     check_split(full_size or local * tp, tp, what="tp_linear", groups=groups, glu=glu)
     if (exchange is None) != (tp == 1):
         raise ValueError("tp_linear: pass an exchange function exactly when tp > 1")
-    provider = resolve_provider("det_gemm", x.device.type, backend)
+    provider = _resolve(x.device.type, backend)
     return _TPLinearFn.apply(
         x,
         weight,
@@ -350,7 +357,7 @@ def tp_row_parallel(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     """Inference form of a row-parallel shard (custom op, opaque to ``torch.compile``):
     ``a [M, K_local] @ b [K_local, N]`` as this rank's subtree of ``groups`` groups, combined
     with the other ranks' by the exchange registered as ``exchange``; the whole ``bias`` [N]."""
-    provider = resolve_provider("det_gemm", a.device.type, backend)
+    provider = _resolve(a.device.type, backend)
     return _tp_row_parallel_op(a, b, bias, groups, exchange, provider)
 
 
@@ -404,6 +411,67 @@ def det_gemm_tp(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
     reference._check(a, b, bias)
     if torch.compiler.is_compiling():
         check_split(a.shape[1], 1, what="det_gemm_tp", groups=groups)
-        provider = resolve_provider("det_gemm", a.device.type, backend)
+        provider = _resolve(a.device.type, backend)
         return _det_gemm_tp_op(a, b, bias, groups, provider)
     return tp_linear(a, b.t(), bias, parallel="row", groups=groups, backend=backend)
+
+
+# ----------------------------------------------------------------------------- registry
+# ``det_gemm_tp`` is an op of its own in the registry (the TP reduction is a numerics family of
+# its own: provenance names it), with one provider per invariant det_gemm provider, same name,
+# same devices and availability: its group products are that provider's.
+def _reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return finish(subtree(a, b, TP_GROUPS, backend="native"), bias, a.dtype)
+
+
+def _provider_fn(name: str):
+    def fn(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return finish(subtree(a, b, TP_GROUPS, backend=name), bias, a.dtype)
+
+    return fn
+
+
+def _register() -> None:
+    from rl_engine.registry import Provider
+
+    def entry(a, b, bias=None, *, provider: str):
+        return det_gemm_tp(a, b, bias, backend=provider)
+
+    KernelRegistry.register_op("det_gemm_tp", entry=entry, reference=_reference)
+    have = {p.name for p in KernelRegistry.providers("det_gemm_tp")}
+    for prov in KernelRegistry.providers("det_gemm"):
+        if not prov.invariant or prov.name in have:
+            continue
+        KernelRegistry.register_provider(
+            Provider(
+                op="det_gemm_tp",
+                name=prov.name,
+                devices=prov.devices,
+                dtypes=prov.dtypes,
+                invariant=True,
+                numerics=f"det_gemm_tp/g{TP_GROUPS}[{prov.numerics}]",
+                fn=_provider_fn(prov.name),
+                version=prov.version,
+                available=prov.available,
+            )
+        )
+
+
+_register()
+
+
+def self_test(device: str) -> None:
+    """Quick check (``rl-engine check``): TP 2 / 4 / 8 shards == TP 1, rows batch invariant."""
+    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(19, 64, generator=g).to(device=device, dtype=torch.float32)
+    b = torch.randn(64, 24, generator=g).to(device=device, dtype=torch.float32)
+    full = det_gemm_tp(a, b)
+    for tp in (2, 4, 8):
+        k = 64 // tp
+        subs = [
+            subtree(a[:, r * k : (r + 1) * k], b[r * k : (r + 1) * k], 8 // tp) for r in range(tp)
+        ]
+        assert_bitwise(finish(combine(subs), None, a.dtype), full, f"det_gemm_tp TP {tp} shards")
+    check_row_invariance(lambda t: det_gemm_tp(t, b), a, counts=(1, 7), what="det_gemm_tp")
