@@ -59,3 +59,25 @@ def init(rank: int, world: int, store: str) -> Any:
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     return dist
+
+
+@contextlib.contextmanager
+def tp_groups_env(groups: str) -> Iterator[None]:
+    """``RL_ENGINE_TP_GROUPS=groups`` in this process for the block (``""``: unset), the
+    configuration re-read on entry and exit."""
+    from rl_engine.config import reload
+
+    saved = os.environ.get("RL_ENGINE_TP_GROUPS")
+    if groups:
+        os.environ["RL_ENGINE_TP_GROUPS"] = groups
+    else:
+        os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+    reload()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+        else:
+            os.environ["RL_ENGINE_TP_GROUPS"] = saved
+        reload()

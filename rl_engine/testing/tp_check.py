@@ -94,23 +94,14 @@ def hf_logprobs(model: str, dtype: str = "bfloat16", groups: str = "8") -> torch
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
-    from rl_engine.config import reload
+    from rl_engine.testing._spawn import tp_groups_env
 
-    saved = os.environ.get("RL_ENGINE_TP_GROUPS")
-    os.environ["RL_ENGINE_TP_GROUPS"] = groups
-    reload()
-    try:
+    with tp_groups_env(groups):
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
         patch_model(hf)
         ids, cu = batch(hf.config.vocab_size)
         with torch.no_grad():
             return token_logprobs(hf, ids, cu_seqlens=cu)
-    finally:
-        if saved is None:
-            os.environ.pop("RL_ENGINE_TP_GROUPS", None)
-        else:
-            os.environ["RL_ENGINE_TP_GROUPS"] = saved
-        reload()
 
 
 def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:

@@ -94,12 +94,9 @@ def hf_logprobs(model: str, seqs: list[dict], groups: str = "8") -> list[list[fl
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
-    from rl_engine.config import reload
+    from rl_engine.testing._spawn import tp_groups_env
 
-    saved = os.environ.get("RL_ENGINE_TP_GROUPS")
-    os.environ["RL_ENGINE_TP_GROUPS"] = groups
-    reload()
-    try:
+    with tp_groups_env(groups):
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         patch_model(hf)
         res = []
@@ -109,12 +106,6 @@ def hf_logprobs(model: str, seqs: list[dict], groups: str = "8") -> list[list[fl
                 lp = token_logprobs(hf, ids, TEMPERATURE)[0]
             res.append(lp[len(prompt) - 1 :].tolist())
         return res
-    finally:
-        if saved is None:
-            os.environ.pop("RL_ENGINE_TP_GROUPS", None)
-        else:
-            os.environ["RL_ENGINE_TP_GROUPS"] = saved
-        reload()
 
 
 def equal_fraction(a: list[dict], b: list[dict] | list[list[float]]) -> tuple[int, int]:

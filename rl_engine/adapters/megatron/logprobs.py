@@ -72,35 +72,19 @@ def _output_weight(gpt: Any, vocab_size: int | None = None) -> torch.Tensor:
     return w if v == w.shape[0] else w[:v]
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather of the vocab-parallel LM head's rows (rank order); backward: this rank's rows
-    of the (replicated, identical on every rank) full gradient. Exact copies both ways."""
+class _GatherReplicated(torch.autograd.Function):
+    """All-gather along dim 0 over the TP group (rank order) of a tensor whose consumers then
+    run identically on every rank (the vocab-parallel LM head's rows, the sequence-parallel
+    final hidden states); backward: this rank's block of the replicated gradient. Exact copies
+    both ways (Megatron's own gathers would reduce-scatter the gradient: a sum of the ranks'
+    identical copies)."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         world = torch.distributed.get_world_size(group)
-        ctx.rank, ctx.rows = torch.distributed.get_rank(group), w.shape[0]
-        parts = [torch.empty_like(w) for _ in range(world)]
-        torch.distributed.all_gather(parts, w.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather of the sequence-parallel final hidden states along the sequence (dim 0);
-    backward: this rank's block of the (replicated, identical on every rank) gradient. Exact
-    copies both ways (Megatron's own gather would reduce-scatter the gradient: a sum of the
-    ranks' identical copies)."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, group: Any) -> torch.Tensor:
-        world = torch.distributed.get_world_size(group)
-        ctx.rank, ctx.rows = torch.distributed.get_rank(group), h.shape[0]
-        parts = [torch.empty_like(h) for _ in range(world)]
-        torch.distributed.all_gather(parts, h.contiguous(), group=group)
+        ctx.rank, ctx.rows = torch.distributed.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(world)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
@@ -113,7 +97,7 @@ def _gather_sequence(h: torch.Tensor) -> torch.Tensor:
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return h
-    return _GatherSequence.apply(h, parallel_state.get_tensor_model_parallel_group())
+    return _GatherReplicated.apply(h, parallel_state.get_tensor_model_parallel_group())
 
 
 def _gather_vocab_rows(w: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -128,7 +112,7 @@ def _gather_vocab_rows(w: torch.Tensor, vocab: int) -> torch.Tensor:
             f"token_logprobs: the LM head holds {w.shape[0]} of {vocab} vocabulary rows, which "
             f"is not a TP = {tp} shard"
         )
-    return _GatherRows.apply(w, parallel_state.get_tensor_model_parallel_group())
+    return _GatherReplicated.apply(w, parallel_state.get_tensor_model_parallel_group())
 
 
 def _hidden(gpt: Any, ids: torch.Tensor, packed_seq_params: Any = None) -> torch.Tensor:

@@ -171,5 +171,6 @@ def self_test(device: str) -> None:
         check_row_invariance(lambda t, b=b: det_gemm(t, b), x, counts=(1, 17, 33), what="det_gemm")
         assert_bitwise(det_gemm(x, b[:, 5:9]), det_gemm(x, b)[:, 5:9], "det_gemm columns")
 
+
 # the TP-invariant reduction (op det_gemm_tp: one provider per invariant det_gemm provider)
 from rl_engine.ops.det_gemm import tp as _tp  # noqa: E402,F401
