@@ -20,7 +20,7 @@ import torch
 from rl_engine.testing.tp_check import batch
 
 
-def _score(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _score(model: Any) -> torch.Tensor:
     from rl_engine.adapters.hf import token_logprobs
 
     ids, cu = batch(model.config.vocab_size)
@@ -28,7 +28,7 @@ def _score(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     logp = token_logprobs(model, ids.to(device), cu_seqlens=cu.to(device))
     weights = torch.linspace(-1.0, 2.0, logp.numel(), device=device).to(logp.dtype)
     (logp * weights).sum().backward()
-    return logp.detach().cpu(), {}
+    return logp.detach().cpu()
 
 
 def _load(model: str, dtype: str) -> Any:
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
     # the decoder (embedding, layers, final norm) is what token_logprobs runs as a module; the
     # untied LM head weight is read directly by linear_logp and stays replicated
     fully_shard(hf.model)
-    logp, _ = _score(hf)
+    logp = _score(hf)
     torch.save({"logp": logp, "grads": _full_grads(hf)}, f"{out}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -91,7 +91,7 @@ def run(
 def single(model: str, dtype: str = "float32") -> dict[str, Any]:
     """The same batch in this process, no FSDP."""
     hf = _load(model, dtype)
-    logp, _ = _score(hf)
+    logp = _score(hf)
     return {"logp": logp, "grads": _full_grads(hf)}
 
 

@@ -146,7 +146,7 @@ def test_family_names_provider():
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_reduce_with_equals_combine(tp):
+def test_exchange_equals_combine(tp):
     """The all-to-all + all-gather exchange, simulated rank by rank, gives the bits of
     ``finish(combine(subtrees), bias)`` on every rank."""
     g = torch.Generator().manual_seed(5)
@@ -164,7 +164,7 @@ def test_reduce_with_equals_combine(tp):
         for j in range(tp)
     ]
     for rank in range(tp):
-        ex = tpm.reduce_with(
+        ex = tpm.Exchange(
             lambda x, rank=rank: torch.stack([blocks[r][rank] for r in range(tp)]),
             lambda x: own,
             rank,

@@ -137,7 +137,7 @@ def _exchange(group: Any):
         dist.all_gather(parts, x, group=group)
         return parts
 
-    return tpm.reduce_with(all_to_all, all_gather, dist.get_rank(group), world)
+    return tpm.Exchange(all_to_all, all_gather, dist.get_rank(group), world)
 
 
 def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,

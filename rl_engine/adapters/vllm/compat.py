@@ -240,7 +240,7 @@ def layers() -> SimpleNamespace:
 
 def tp_exchange() -> str:
     """The name under which vLLM's tensor-parallel group's exchange of fp32 subtrees is
-    registered (:func:`rl_engine.ops.det_gemm.tp.reduce_with` over ``get_tp_group()``'s device
+    registered (:class:`rl_engine.ops.det_gemm.tp.Exchange` over ``get_tp_group()``'s device
     group: all-to-all + all-gather, gloo or NCCL); registered on first use."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
@@ -262,7 +262,7 @@ def tp_exchange() -> str:
             dist.all_gather(parts, x, group=group)
             return parts
 
-        tpm.register_exchange(name, tpm.reduce_with(all_to_all, all_gather, g.rank_in_group, world))
+        tpm.register_exchange(name, tpm.Exchange(all_to_all, all_gather, g.rank_in_group, world))
     return name
 
 

@@ -18,7 +18,7 @@ computation *is* that sum. Numerics of the ``tp`` reduction (family
 
 The tree's subtrees are contiguous runs of groups, so at any TP degree ``t`` dividing ``G``, rank
 ``r`` (holding groups ``[r G/t, (r+1) G/t)``) computes its subtree with :func:`subtree`, the
-ranks exchange these fp32 ``[M, N]`` partials (:func:`reduce_with`: all-to-all of column blocks,
+ranks exchange these fp32 ``[M, N]`` partials (:class:`Exchange`: all-to-all of column blocks,
 combine, all-gather of the rounded blocks), and :func:`combine` adds them with the tree's top
 levels: the TP = 1 bits on every rank, for every ``t`` in ``allowed_degrees()``.
 
@@ -26,7 +26,7 @@ Layouts whose TP shard is not a contiguous slice (Megatron's fused ``[gate; up]`
 ``[gate_r; up_r]`` on rank ``r``) pass ``glu=True``: group ``j`` is then gate rows ``j`` and up
 rows ``j`` (each half cut into ``G`` groups), in that order, on one rank as on ``t`` ranks.
 
-Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:func:`reduce_with`; see
+Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:class:`Exchange`; see
 ``docs/operators/det_gemm.md``, "Tensor parallelism").
 """
 
@@ -49,7 +49,6 @@ __all__ = [
     "groups_for",
     "pair_tree",
     "Exchange",
-    "reduce_with",
     "register_exchange",
     "tp_row_parallel",
     "subtree",
@@ -227,11 +226,6 @@ class Exchange:
         return torch.cat(self.all_gather(x.contiguous()), dim=0)
 
 
-def reduce_with(all_to_all, all_gather, rank: int, world: int) -> Exchange:
-    """The :class:`Exchange` of a TP group from its two collectives."""
-    return Exchange(all_to_all, all_gather, rank, world)
-
-
 _SINGLE = Exchange()
 
 
@@ -329,7 +323,7 @@ _EXCHANGES: dict[str, Any] = {}
 
 
 def register_exchange(name: str, exchange: Any) -> None:
-    """Make ``exchange(sub, bias, dtype)`` (:func:`reduce_with`) callable by ``name``."""
+    """Make ``exchange(sub, bias, dtype)`` (an :class:`Exchange`) callable by ``name``."""
     _EXCHANGES[name] = exchange
 
 
