@@ -9,7 +9,8 @@
 #
 # STEPS (space separated, in order): e2e (scripts/gpu_vllm_e2e.py), e2e-quick, rollout
 # (benchmarks/bench_rollout.py), trainer (benchmarks/bench_trainer_hf.py), audit (rl-engine audit
-# on the GPU); STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
+# on the GPU), tp / tp-vllm (scripts/gpu_tp.sh, 2+ GPUs; tp alone needs no vLLM);
+# STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
 # Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,9 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 
-if [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
+NEEDS_VLLM=0
+for step in ${STEPS:-e2e}; do [ "$step" = tp ] || NEEDS_VLLM=1; done
+if [ "$NEEDS_VLLM" = 1 ] && [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
   [ -x .vllm_gpu/2/install.sh ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 carried"; exit 3; }
   bash .vllm_gpu/2/install.sh || exit 3
   # the project's dist-info (its vllm.general_plugins entry point) next to vLLM
@@ -38,8 +41,12 @@ fi
 # the checkout first (its code, not the copy pip put next to the entry point)
 export PYTHONPATH="$ROOT:/tmp/vllm_site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 $PY - <<'PYEOF'
-import torch, triton, vllm
-print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__)
+import torch, triton
+try:
+    import vllm
+except ImportError:  # the tp step alone needs no vLLM
+    vllm = None
+print("torch", torch.__version__, "triton", triton.__version__, "vllm", getattr(vllm, "__version__", None))
 print("device", torch.cuda.get_device_name())
 PYEOF
 GPU=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.gpu_slug())")
@@ -56,6 +63,8 @@ for step in ${STEPS:-e2e}; do
     e2e-quick) cmd=($PY scripts/gpu_vllm_e2e.py --quick --out "$OUT") ;;
     rollout) cmd=($PY benchmarks/bench_rollout.py --out "$RES") ;;
     trainer) cmd=($PY benchmarks/bench_trainer_hf.py --out "$RES") ;;
+    tp) cmd=(env VLLM_TP=0 bash scripts/gpu_tp.sh) ;;  # Megatron + FSDP2 over 2 GPUs
+    tp-vllm) cmd=(env VLLM_TP=1 bash scripts/gpu_tp.sh) ;;  # vLLM TP 2 with CUDA graphs
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU
       $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/audit_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=4, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936)" || status=1
       cmd=($PY -m rl_engine.cli audit --model /tmp/audit_qwen2 --device cuda --temperature 0.7 --gate --no-progress --out "$OUT/audit") ;;

@@ -1,6 +1,6 @@
 """GPU end-to-end check of the rl_engine vLLM plugin on real CUDA vLLM (0.24.0), issue 15 item 5.
 
-    python3 scripts/gpu_vllm_e2e.py [--quick] [--out DIR]     (DIR default: $OUT, else ./out)
+    python3 scripts/gpu_vllm_e2e.py [--quick | --archs llama] [--out DIR]   (DIR: $OUT or ./out)
 
 Models (bf16, random, written locally): a Qwen2-shaped one (QKV bias, tied embeddings, 4 layers,
 hidden 1536, 12/2 heads, FFN 8960, vocab 151936) and, unless ``--quick``, a Llama-shaped one
@@ -284,7 +284,10 @@ def _drive(args) -> int:
     out = Path(args.out or os.environ.get("OUT") or "out").resolve()
     work = out / "gpu_vllm_e2e"
     work.mkdir(parents=True, exist_ok=True)
-    archs = ["qwen2"] if args.quick else ["qwen2", "llama"]
+    archs = ["qwen2"] if args.quick else args.archs.split(",")
+    unknown = sorted(set(archs) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"--archs: unknown {unknown}; known: {sorted(MODELS)}")
     deadline = time.perf_counter() + args.budget_s
     summary: dict = {"quick": args.quick, "temperature": TEMPERATURE, "archs": {}}
     ok = True
@@ -413,6 +416,7 @@ def _drive(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="Qwen2-shaped model only")
+    p.add_argument("--archs", default="qwen2,llama", help="models to check, comma separated")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else ./out)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of all steps")
     p.add_argument("--mode", choices=("drive", "rollout", "trainer"), default="drive")

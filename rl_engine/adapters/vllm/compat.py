@@ -238,32 +238,44 @@ def layers() -> SimpleNamespace:
     )
 
 
+EXCHANGE_PREFIX = "vllm:"
+
+
 def tp_exchange() -> str:
-    """The name under which vLLM's tensor-parallel group's exchange of fp32 subtrees is
-    registered (:class:`rl_engine.ops.det_gemm.tp.Exchange` over ``get_tp_group()``'s device
-    group: all-to-all + all-gather, gloo or NCCL); registered on first use."""
+    """The name of vLLM's tensor-parallel group's exchange of fp32 subtrees (no side effect: the
+    exchange is built where ``rl_engine::tp_row_parallel`` first runs, by
+    :func:`build_tp_exchange`, so a compiled graph loaded from vLLM's cache finds it too)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return EXCHANGE_PREFIX + get_tp_group().unique_name
+
+
+def build_tp_exchange(name: str) -> Any:
+    """:class:`rl_engine.ops.det_gemm.tp.Exchange` over ``get_tp_group()``'s device group
+    (all-to-all + all-gather, gloo or NCCL); ``name`` must be that group's (:func:`tp_exchange`)."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
     from rl_engine.ops.det_gemm import tp as tpm
 
     g = get_tp_group()
-    name = f"vllm:{g.unique_name}"
-    if name not in tpm._EXCHANGES:
-        group, world = g.device_group, g.world_size
+    if name != EXCHANGE_PREFIX + g.unique_name:
+        raise RuntimeError(
+            f"TP exchange {name!r}: this process's vLLM TP group is {g.unique_name!r}"
+        )
+    group, world = g.device_group, g.world_size
 
-        def all_to_all(x):
-            out = x.new_empty(x.shape)
-            dist.all_to_all_single(out, x, group=group)
-            return out
+    def all_to_all(x):
+        out = x.new_empty(x.shape)
+        dist.all_to_all_single(out, x, group=group)
+        return out
 
-        def all_gather(x):
-            parts = [torch.empty_like(x) for _ in range(world)]
-            dist.all_gather(parts, x, group=group)
-            return parts
+    def all_gather(x):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        return parts
 
-        tpm.register_exchange(name, tpm.Exchange(all_to_all, all_gather, g.rank_in_group, world))
-    return name
+    return tpm.Exchange(all_to_all, all_gather, g.rank_in_group, world)
 
 
 STRUCTURAL_MODULES = (

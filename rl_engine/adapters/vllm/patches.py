@@ -546,9 +546,11 @@ def _make_load_model(original):
 def apply_layer_patches() -> None:
     """Patch vLLM's layer classes, both samplers and the loader (idempotent)."""
     from rl_engine.adapters.vllm import compat
+    from rl_engine.ops.det_gemm import tp as tpm
 
     lay = compat.layers()
     _rope_classes()  # cache before any traced forward needs it
+    tpm.register_exchange_builder(compat.EXCHANGE_PREFIX, compat.build_tp_exchange)
     _patch(lay.UnquantizedLinearMethod, "apply", _make_linear_apply)
     _patch(lay.UnquantizedLinearMethod, "process_weights_after_loading", _make_keep_weight)
     _patch(lay.RowParallelLinear, "forward", _make_row_parallel_forward)

@@ -320,11 +320,32 @@ def tp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 # exchanges of engines whose process groups a custom op cannot take as an argument (vLLM's TP
 # group): registered by name, looked up inside ``rl_engine::tp_row_parallel``
 _EXCHANGES: dict[str, Any] = {}
+# name prefix -> builder(name) of an exchange not registered yet: the op's body may run where
+# the Python that would register it never did (a compiled graph loaded from a cache, a graph
+# whose traced side effects are applied after it ran)
+_BUILDERS: dict[str, Any] = {}
 
 
 def register_exchange(name: str, exchange: Any) -> None:
     """Make ``exchange(sub, bias, dtype)`` (an :class:`Exchange`) callable by ``name``."""
     _EXCHANGES[name] = exchange
+
+
+def register_exchange_builder(prefix: str, build: Any) -> None:
+    """``build(name)`` makes the exchange of a ``name`` starting with ``prefix`` on its first use
+    (kept in the registry after)."""
+    _BUILDERS[prefix] = build
+
+
+def exchange_named(name: str) -> Any:
+    """The exchange registered (or buildable) as ``name``; raises when there is none."""
+    ex = _EXCHANGES.get(name)
+    if ex is None:
+        build = next((b for p, b in _BUILDERS.items() if name.startswith(p)), None)
+        if build is None:
+            raise RuntimeError(f"tp_row_parallel: no exchange registered as {name!r}")
+        ex = _EXCHANGES[name] = build(name)
+    return ex
 
 
 @torch.library.custom_op("rl_engine::tp_row_parallel", mutates_args=())
@@ -336,9 +357,7 @@ def _tp_row_parallel_op(
     exchange: str,
     provider: str,
 ) -> torch.Tensor:
-    if exchange not in _EXCHANGES:
-        raise RuntimeError(f"tp_row_parallel: no exchange registered as {exchange!r}")
-    return _EXCHANGES[exchange](subtree(a, b, groups, backend=provider), bias, a.dtype)
+    return exchange_named(exchange)(subtree(a, b, groups, backend=provider), bias, a.dtype)
 
 
 @_tp_row_parallel_op.register_fake
