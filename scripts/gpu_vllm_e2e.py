@@ -289,7 +289,20 @@ def _drive(args) -> int:
     if unknown:
         raise SystemExit(f"--archs: unknown {unknown}; known: {sorted(MODELS)}")
     deadline = time.perf_counter() + args.budget_s
-    summary: dict = {"quick": args.quick, "temperature": TEMPERATURE, "archs": {}}
+    import datetime
+
+    import torch
+    import triton
+
+    summary: dict = {
+        "quick": args.quick,
+        "temperature": TEMPERATURE,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "archs": {},
+    }
     ok = True
     for arch in archs:
         spec = dict(MODELS[arch])
