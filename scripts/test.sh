@@ -5,7 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-"$PY" -m pytest -q -p no:logging --durations=12 tests "$@"
+# Two pytest-xdist workers, whole files each (module fixtures: vLLM engines, process groups, are
+# built once); CPU_TEST_WORKERS=0 runs it in one process.
+XDIST_CPU=(-n "${CPU_TEST_WORKERS:-2}" --dist loadfile)
+[ "${CPU_TEST_WORKERS:-2}" = 0 ] && XDIST_CPU=()
+"$PY" -m pytest -q -p no:logging --durations=12 "${XDIST_CPU[@]}" tests "$@"
 # The interpreter suite is pure CPU compute: one pytest-xdist process per core.
 TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WORKERS:-auto}" \
   tests/ops/test_det_gemm_triton.py tests/ops/test_det_gemm_tp.py tests/ops/test_triton_elementwise.py \
