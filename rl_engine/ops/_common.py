@@ -88,3 +88,23 @@ def device_of(*tensors: torch.Tensor | None) -> torch.device:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
+
+
+ALL_DEVICES = ("cpu", "cuda", "rocm")
+
+
+def native_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+    """The op's PyTorch reference as its ``native`` provider: every device, the float dtypes,
+    invariant (``fields``: ``extras``, ``version``)."""
+    from rl_engine.registry import Provider
+
+    return Provider(op=op, name="native", devices=ALL_DEVICES, dtypes=FLOAT_DTYPES,
+                    invariant=True, numerics=numerics, fn=fn, **fields)  # fmt: skip
+
+
+def stock_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+    """What the engines run today, as the ``stock`` provider: every device, not invariant."""
+    from rl_engine.registry import Provider
+
+    return Provider(op=op, name="stock", devices=ALL_DEVICES, dtypes=FLOAT_DTYPES,
+                    invariant=False, numerics=numerics, fn=fn, **fields)  # fmt: skip

@@ -54,6 +54,17 @@ def available(device: str, *, triton_interpret: bool) -> str | None:
     return f"device {device!r} is not supported"
 
 
+def triton_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+    """An op's ``triton`` provider: CUDA (and the CPU through the Triton interpreter), the float
+    dtypes, invariant, availability :func:`available` unless ``fields`` names another."""
+    from rl_engine.ops._common import FLOAT_DTYPES
+    from rl_engine.registry import Provider
+
+    fields.setdefault("available", available)
+    return Provider(op=op, name="triton", devices=("cuda", "cpu"), dtypes=FLOAT_DTYPES,
+                    invariant=True, numerics=numerics, fn=fn, **fields)  # fmt: skip
+
+
 def check_device(op: str, *tensors: torch.Tensor) -> None:
     """Raise unless the tensors can run Triton kernels (CUDA, or the CPU under the interpreter)."""
     if triton is None:

@@ -55,7 +55,7 @@ def test_availability_reasons():
     reason = gemm_triton.PROVIDER.why_not("cpu", triton_interpret=False)
     assert reason is not None and "TRITON_INTERPRET=1" in reason and "CUDA" in reason
     assert gemm_triton.PROVIDER.why_not("cpu", triton_interpret=True) is None
-    assert "not supported" in (gemm_triton._available("rocm", triton_interpret=True) or "")
+    assert "not supported" in (gemm_triton.PROVIDER.available("rocm", triton_interpret=True) or "")
 
 
 def test_unavailable_backend_raises(monkeypatch):

@@ -54,7 +54,7 @@ def _native(*args, **kw):
 def test_availability_reasons():
     reason = rk_triton.PROVIDER.why_not("cpu", triton_interpret=False)
     assert reason is not None and "TRITON_INTERPRET=1" in reason and "CUDA" in reason
-    assert "not supported" in (rk_triton._available("rocm", triton_interpret=True) or "")
+    assert "not supported" in (rk_triton.PROVIDER.available("rocm", triton_interpret=True) or "")
     if rk_triton.triton is not None:
         assert rk_triton.PROVIDER.why_not("cpu", triton_interpret=True) is None
     p = KernelRegistry.provider("ratio_kl", "triton")

@@ -51,7 +51,7 @@ def test_availability_reasons(mod):
     assert reason is not None and "TRITON_INTERPRET=1" in reason and "CUDA" in reason
     if mod.triton is not None:
         assert mod.PROVIDER.why_not("cpu", triton_interpret=True) is None
-    assert "not supported" in (mod._available("rocm", triton_interpret=True) or "")
+    assert "not supported" in (mod.PROVIDER.available("rocm", triton_interpret=True) or "")
     assert mod.PROVIDER.invariant and mod.PROVIDER.name == "triton"
 
 

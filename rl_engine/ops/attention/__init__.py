@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider
 from rl_engine.ops.attention import reference
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["attention", "paged_attention", "write_kv_cache"]
 
@@ -288,12 +288,8 @@ def write_kv_cache(
 # ----------------------------------------------------------------------------- registration
 KernelRegistry.register_op(_OP, entry=_entry, reference=reference.attention)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op=_OP,
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics=f"attention/native-t{reference.KV_TILE}",
         fn=reference.attention,
         extras={

@@ -32,9 +32,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.attention import reference
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -1066,19 +1064,11 @@ def attention_bwd(
     return dq, dk, dv
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="attention",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="attention/triton",
     fn=attention,
     version="1",
-    available=_available,
     extras={
         "attention_bwd": attention_bwd,
         "paged_attention": paged_attention,

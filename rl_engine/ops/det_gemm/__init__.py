@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.det_gemm import reference, stock
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["det_gemm"]
 
@@ -130,24 +130,16 @@ def det_gemm(
 
 KernelRegistry.register_op("det_gemm", entry=_entry, reference=reference.det_gemm)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="det_gemm",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="det_gemm/native-k16",
         fn=reference.det_gemm,
         extras={"wgrad": reference.det_gemm_wgrad},
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="det_gemm",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="det_gemm/stock-torch",
         fn=stock.det_gemm,
         extras={"wgrad": stock.det_gemm_wgrad},

@@ -57,7 +57,6 @@ from rl_engine.ops.det_gemm.config import (
     get_wgrad_config,
 )
 from rl_engine.ops.det_gemm.reference import _check
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -893,19 +892,11 @@ def det_gemm_wgrad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return det_gemm_wgrad_with_plan(a, grad, split=None)
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="det_gemm",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
     # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096
     version="3",
-    available=_available,
     extras={"wgrad": det_gemm_wgrad},
 )

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.entropy import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["entropy"]
 
@@ -102,24 +102,16 @@ def entropy(
 
 KernelRegistry.register_op("entropy", entry=_entry, reference=reference.entropy)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="entropy",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics=f"entropy/native-v{VOCAB_TILE}",
         fn=reference.entropy,
         extras={"forward": reference.entropy_forward, "backward": reference.entropy_backward},
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="entropy",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="entropy/stock-torch",
         fn=stock.entropy,
         extras={"forward": stock.entropy_forward, "backward": stock.entropy_backward},

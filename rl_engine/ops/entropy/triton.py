@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops.entropy import reference
 from rl_engine.ops.logp.triton import (
     NUMERICS,
-    available,
     check_device,
     vocab_backward,
     vocab_forward,
 )
-from rl_engine.registry import Provider
 
 __all__ = ["PROVIDER", "entropy", "entropy_backward", "entropy_forward"]
 
@@ -67,15 +65,10 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return entropy_forward(logits, temperature)[0]
 
 
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="entropy",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=f"entropy/{NUMERICS}",
     fn=entropy,
     version="1",
-    available=available,
     extras={"forward": entropy_forward, "backward": entropy_backward},
 )

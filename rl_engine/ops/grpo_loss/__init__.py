@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider
 from rl_engine.ops.grpo_loss import reference
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, normalize
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["AGG_MODES", "GRPOLoss", "GRPOMetrics", "grpo_loss"]
 
@@ -250,12 +250,8 @@ def grpo_loss(
 
 KernelRegistry.register_op("grpo_loss", entry=_entry, reference=reference.grpo_loss)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="grpo_loss",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="grpo_loss/native",
         fn=reference.grpo_loss,
         extras={"backward": reference.grpo_loss_backward},

@@ -31,10 +31,8 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
 from rl_engine.ops.ratio_kl import triton as _rk
-from rl_engine.registry import Provider
 
 triton = _rk.triton
 tl = _rk.tl
@@ -669,15 +667,10 @@ def grpo_loss_backward(
     return d_logp
 
 
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="grpo_loss",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="grpo_loss/triton",
     fn=grpo_loss,
     version="1",
-    available=_rk._available,
     extras={"backward": grpo_loss_backward},
 )

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["linear_logp"]
 
@@ -180,12 +180,8 @@ def linear_logp(
 
 KernelRegistry.register_op("linear_logp", entry=_entry, reference=reference.linear_logp)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="linear_logp",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics=f"linear_logp/native-v{VOCAB_TILE}",
         fn=reference.linear_logp,
         extras={
@@ -195,12 +191,8 @@ KernelRegistry.register_provider(
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="linear_logp",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="linear_logp/stock-torch",
         fn=stock.linear_logp,
         extras={"forward": stock.linear_logp_forward, "backward": stock.linear_logp_backward},

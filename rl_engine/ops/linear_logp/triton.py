@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops import _triton as _tr
 from rl_engine.ops.det_gemm import config as _gemm_config
 from rl_engine.ops.det_gemm import triton as _gemm
 from rl_engine.ops.linear_logp import reference
 from rl_engine.ops.logp import triton as _vocab
 from rl_engine.ops.logp.reference import check_token_range
-from rl_engine.registry import Provider
 
 __all__ = [
     "BWD_TOKEN_CHUNK",
@@ -226,12 +225,8 @@ def _available(device: str, *, triton_interpret: bool) -> str | None:
     )
 
 
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="linear_logp",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=NUMERICS,
     fn=linear_logp,
     version="1",

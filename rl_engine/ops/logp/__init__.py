@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.logp import reference, stock
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["logp", "logp_at", "sampled_logp"]
 
@@ -145,12 +145,8 @@ logp_at = reference.logp_at
 
 KernelRegistry.register_op("logp", entry=_entry, reference=reference.logp)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="logp",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics=f"logp/native-v{reference.VOCAB_TILE}",
         fn=reference.logp,
         extras={
@@ -161,12 +157,8 @@ KernelRegistry.register_provider(
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="logp",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="logp/stock-torch",
         fn=stock.logp,
         extras={

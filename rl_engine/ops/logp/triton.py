@@ -42,9 +42,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.logp import reference
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -518,15 +516,10 @@ available = _tr.available  # the Triton vocabulary providers' availability check
 
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE
 
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="logp",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=f"logp/{NUMERICS}",
     fn=logp,
     version="1",
-    available=available,
     extras={"forward": logp_forward, "backward": logp_backward, "sampled": sampled_forward},
 )

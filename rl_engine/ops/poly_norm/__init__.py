@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider
 from rl_engine.ops.poly_norm import reference
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["fused_mul_poly_norm", "poly_norm"]
 
@@ -152,12 +152,8 @@ def fused_mul_poly_norm(
 
 KernelRegistry.register_op(_OP, entry=_entry, reference=reference.poly_norm)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op=_OP,
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="poly_norm/native",
         fn=reference.poly_norm,
         extras={

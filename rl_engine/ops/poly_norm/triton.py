@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.poly_norm import reference
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -281,15 +279,10 @@ def poly_norm_backward(
     )
 
 
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="poly_norm",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics=f"poly_norm/triton-b{MAX_BLOCK}",
     fn=poly_norm,
     version="1",
-    available=_tr.available,
     extras={"fused_mul": fused_mul_poly_norm, "backward": poly_norm_backward},
 )

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider
 from rl_engine.ops.ratio_kl import reference
 from rl_engine.ops.ratio_kl.args import check, normalize
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["RatioKL", "ratio_kl"]
 
@@ -261,12 +261,8 @@ def ratio_kl(
 
 KernelRegistry.register_op("ratio_kl", entry=_entry, reference=reference.ratio_kl)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="ratio_kl",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="ratio_kl/native",
         fn=reference.ratio_kl,
         extras={"backward": reference.ratio_kl_backward},

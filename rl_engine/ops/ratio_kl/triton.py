@@ -32,9 +32,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.ratio_kl.args import check
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -517,18 +515,10 @@ def ratio_kl_backward(
     return d_lp, d_old
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="ratio_kl",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="ratio_kl/triton",
     fn=ratio_kl,
     version="1",
-    available=_available,
     extras={"backward": ratio_kl_backward},
 )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.rms_norm import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -271,24 +271,16 @@ def rms_norm(
 
 KernelRegistry.register_op("rms_norm", entry=_entry, reference=reference.rms_norm)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="rms_norm",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="rms_norm/native-tree",
         fn=reference.rms_norm,
         extras={"dx": reference.rms_norm_dx, "wgrad": reference.rms_norm_wgrad},
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="rms_norm",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="rms_norm/stock-torch",
         fn=stock.rms_norm,
         extras={"dx": stock.rms_norm_dx, "wgrad": stock.rms_norm_wgrad},

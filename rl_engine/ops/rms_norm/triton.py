@@ -67,9 +67,7 @@ import torch
 
 from rl_engine.ops import _interpret
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.rms_norm.reference import _check
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -770,21 +768,13 @@ def rms_norm_backward(
     return dx, dw
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="rms_norm",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="rms_norm/triton",
     fn=rms_norm,
     # 2: weight-gradient groups = the dX tile (H <= 2048 changed); forward and dX bits as in 1
     # 3: backward launch rule of its own + one joint row reduction: new dX and dW bits; forward
     #    bits as in 1
     version="3",
-    available=_available,
     extras={"dx": rms_norm_dx, "wgrad": rms_norm_wgrad, "backward": rms_norm_backward},
 )

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.rope import reference, stock
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["rope", "rope_qk"]
 
@@ -264,12 +264,8 @@ def rope(
 
 KernelRegistry.register_op("rope", entry=_entry, reference=reference.rope)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="rope",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="rope/native-f64table",
         fn=reference.rope,
         extras={
@@ -280,12 +276,8 @@ KernelRegistry.register_provider(
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="rope",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="rope/stock-torch",
         fn=stock.rope,
         extras={

@@ -31,9 +31,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.rope.reference import _check, inv_freq_table
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -375,18 +373,10 @@ def rope_qk_backward(
     return _rope(grad_q, positions, theta, rotary_dim, is_neox, scaling, inverse=True, x2=grad_k)
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="rope",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="rope/native-f64table",
     fn=rope,
     version="1",
-    available=_available,
     extras={"backward": rope_backward, "qk": rope_qk, "qk_backward": rope_qk_backward},
 )

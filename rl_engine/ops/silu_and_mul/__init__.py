@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import FLOAT_DTYPES, check_tensor
+from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.silu_and_mul import reference, stock
-from rl_engine.registry import KernelRegistry, Provider, resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["silu_and_mul"]
 
@@ -76,24 +76,16 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
 
 KernelRegistry.register_op("silu_and_mul", entry=_entry, reference=reference.silu_and_mul)
 KernelRegistry.register_provider(
-    Provider(
+    native_provider(
         op="silu_and_mul",
-        name="native",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=True,
         numerics="silu_and_mul/native-f64",
         fn=reference.silu_and_mul,
         extras={"backward": reference.silu_and_mul_backward},
     )
 )
 KernelRegistry.register_provider(
-    Provider(
+    stock_provider(
         op="silu_and_mul",
-        name="stock",
-        devices=("cpu", "cuda", "rocm"),
-        dtypes=FLOAT_DTYPES,
-        invariant=False,
         numerics="silu_and_mul/stock-torch",
         fn=stock.silu_and_mul,
         extras={"backward": stock.silu_and_mul_backward},

@@ -26,9 +26,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
-from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops.silu_and_mul.reference import _check
-from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it the provider reports why it cannot run.
     import triton
@@ -225,18 +223,10 @@ def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx
 
 
-_available = _tr.available
-
-
-PROVIDER = Provider(
+PROVIDER = _tr.triton_provider(
     op="silu_and_mul",
-    name="triton",
-    devices=("cuda", "cpu"),
-    dtypes=FLOAT_DTYPES,
-    invariant=True,
     numerics="silu_and_mul/triton-f32",
     fn=silu_and_mul,
     version="1",
-    available=_available,
     extras={"backward": silu_and_mul_backward},
 )
