@@ -199,31 +199,26 @@ def decode(args, copy_tb_s: float, backend: str = "triton") -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(axes):
+        pre = [r for r in rows if r["case"] == "prefill"]
+        labels = [f"{r['provider']} B={r['batch']}" for r in pre]
+        x = range(len(pre))
+        axes[0].bar([i - 0.2 for i in x], [r["fwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd")
+        axes[0].bar(
+            [i + 0.2 for i in x], [r["fwd_bwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd+bwd"
+        )
+        axes[0].set_xticks(list(x), labels)
+        axes[0].axhline(1.0, color="k", lw=0.8)
+        axes[0].set_ylabel("SDPA flash time / rl_engine time")
+        axes[0].set_title(f"prefill L={SEQ}, {HQ}/{HKV} heads, D={D}, bf16")
+        axes[0].legend()
+        dec = [r for r in rows if r["case"] == "decode"]
+        axes[1].bar([r["provider"] for r in dec], [r["kv_bw_frac"] for r in dec])
+        axes[1].axhline(1.0, color="k", lw=0.8)
+        axes[1].set_ylabel("KV bytes / time / copy bandwidth")
+        axes[1].set_title(f"decode {DECODE_SEQS} x {DECODE_CTX}, page {PAGE}")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    pre = [r for r in rows if r["case"] == "prefill"]
-    labels = [f"{r['provider']} B={r['batch']}" for r in pre]
-    x = range(len(pre))
-    axes[0].bar([i - 0.2 for i in x], [r["fwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd")
-    axes[0].bar(
-        [i + 0.2 for i in x], [r["fwd_bwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd+bwd"
-    )
-    axes[0].set_xticks(list(x), labels)
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].set_ylabel("SDPA flash time / rl_engine time")
-    axes[0].set_title(f"prefill L={SEQ}, {HQ}/{HKV} heads, D={D}, bf16")
-    axes[0].legend()
-    dec = [r for r in rows if r["case"] == "decode"]
-    axes[1].bar([r["provider"] for r in dec], [r["kv_bw_frac"] for r in dec])
-    axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[1].set_ylabel("KV bytes / time / copy bandwidth")
-    axes[1].set_title(f"decode {DECODE_SEQS} x {DECODE_CTX}, page {PAGE}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    common.save_figure(path, draw, ncols=2, figsize=(11, 4))
 
 
 def main() -> None:

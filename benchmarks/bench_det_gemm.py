@@ -281,45 +281,41 @@ def run_sweep(args) -> dict:
 
 
 def plot(rows: list[dict], limits: dict, path: Path) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(axes):
+        ax1, ax2 = axes
+        for shape in GEMM_SHAPES:
+            rs = [r for r in rows if r["shape"] == shape.name]
+            ax1.plot([r["m"] for r in rs], [r["ratio"] for r in rs], "o-", label=shape.name)
+            ax2.loglog(
+                [r["intensity_flop_per_byte"] for r in rs],
+                [r["triton_tflop_s"] for r in rs],
+                "o",
+                label=f"det_gemm {shape.name}",
+            )
+            ax2.loglog(
+                [r["intensity_flop_per_byte"] for r in rs],
+                [r["cublas_tflop_s"] for r in rs],
+                "x",
+                alpha=0.6,
+            )
+        ax1.set_xscale("log", base=2)
+        ax1.axhline(1.0, color="k", lw=0.8)
+        ax1.axhline(0.9, color="g", ls="--", lw=0.8)
+        ax1.set_xlabel("M (tokens)")
+        ax1.set_ylabel("cuBLAS time / det_gemm time")
+        ax1.set_title("det_gemm (triton, bf16) vs cuBLAS")
+        ax1.legend(fontsize=7)
+        xs = [0.5, 1e4]
+        peak, bw = limits["bf16_mm_tflop_s"], limits["copy_tb_s"]
+        ax2.loglog(xs, [min(peak, x * bw) for x in xs], "k-", lw=0.8)
+        ridge = peak / bw
+        ax2.loglog([0.5, ridge, 1e4], [0.5 * bw, peak, peak], "k-", lw=1, label="measured roofline")
+        ax2.set_xlabel("FLOP / byte")
+        ax2.set_ylabel("TFLOP/s (o det_gemm, x cuBLAS)")
+        ax2.set_title("roofline")
+        ax2.legend(fontsize=6)
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for shape in GEMM_SHAPES:
-        rs = [r for r in rows if r["shape"] == shape.name]
-        ax1.plot([r["m"] for r in rs], [r["ratio"] for r in rs], "o-", label=shape.name)
-        ax2.loglog(
-            [r["intensity_flop_per_byte"] for r in rs],
-            [r["triton_tflop_s"] for r in rs],
-            "o",
-            label=f"det_gemm {shape.name}",
-        )
-        ax2.loglog(
-            [r["intensity_flop_per_byte"] for r in rs],
-            [r["cublas_tflop_s"] for r in rs],
-            "x",
-            alpha=0.6,
-        )
-    ax1.set_xscale("log", base=2)
-    ax1.axhline(1.0, color="k", lw=0.8)
-    ax1.axhline(0.9, color="g", ls="--", lw=0.8)
-    ax1.set_xlabel("M (tokens)")
-    ax1.set_ylabel("cuBLAS time / det_gemm time")
-    ax1.set_title("det_gemm (triton, bf16) vs cuBLAS")
-    ax1.legend(fontsize=7)
-    xs = [0.5, 1e4]
-    peak, bw = limits["bf16_mm_tflop_s"], limits["copy_tb_s"]
-    ax2.loglog(xs, [min(peak, x * bw) for x in xs], "k-", lw=0.8)
-    ridge = peak / bw
-    ax2.loglog([0.5, ridge, 1e4], [0.5 * bw, peak, peak], "k-", lw=1, label="measured roofline")
-    ax2.set_xlabel("FLOP / byte")
-    ax2.set_ylabel("TFLOP/s (o det_gemm, x cuBLAS)")
-    ax2.set_title("roofline")
-    ax2.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    common.save_figure(path, draw, ncols=2, figsize=(13, 5))
 
 
 def main() -> None:

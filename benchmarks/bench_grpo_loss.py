@@ -244,29 +244,24 @@ def _head_rows(quick: bool) -> tuple[list[dict[str, Any]], str | None]:
 
 
 def _plot(out: Path, loss_rows: list[dict[str, Any]], head_rows: list[dict[str, Any]]) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(axes):
+        labels = [f"{r['B']}x{r['T']}\n{r['loss_agg']}" for r in loss_rows]
+        xs = range(len(loss_rows))
+        axes[0].bar([i - 0.2 for i in xs], [r["triton_us"] for r in loss_rows], 0.4, label="triton")
+        axes[0].bar([i + 0.2 for i in xs], [r["torch_us"] for r in loss_rows], 0.4, label="torch")
+        axes[0].set_xticks(list(xs), labels, fontsize=7)
+        axes[0].set_ylabel("fwd+bwd us")
+        axes[0].set_title("grpo_loss (bf16 logp)")
+        axes[0].legend()
+        ok = [r for r in head_rows if "us" in r]
+        axes[1].bar([r["path"] for r in ok], [r["us"] / 1e3 for r in ok])
+        ax2 = axes[1].twinx()
+        ax2.plot([r["path"] for r in ok], [r["peak_mib"] / 1024 for r in ok], "ro-")
+        axes[1].set_ylabel("fwd+bwd ms")
+        ax2.set_ylabel("peak GiB (red)")
+        axes[1].set_title(f"LM head + loss, {HEAD_B * HEAD_T} tokens, H={HEAD_H}, V={HEAD_V}")
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"{r['B']}x{r['T']}\n{r['loss_agg']}" for r in loss_rows]
-    xs = range(len(loss_rows))
-    axes[0].bar([i - 0.2 for i in xs], [r["triton_us"] for r in loss_rows], 0.4, label="triton")
-    axes[0].bar([i + 0.2 for i in xs], [r["torch_us"] for r in loss_rows], 0.4, label="torch")
-    axes[0].set_xticks(list(xs), labels, fontsize=7)
-    axes[0].set_ylabel("fwd+bwd us")
-    axes[0].set_title("grpo_loss (bf16 logp)")
-    axes[0].legend()
-    ok = [r for r in head_rows if "us" in r]
-    axes[1].bar([r["path"] for r in ok], [r["us"] / 1e3 for r in ok])
-    ax2 = axes[1].twinx()
-    ax2.plot([r["path"] for r in ok], [r["peak_mib"] / 1024 for r in ok], "ro-")
-    axes[1].set_ylabel("fwd+bwd ms")
-    ax2.set_ylabel("peak GiB (red)")
-    axes[1].set_title(f"LM head + loss, {HEAD_B * HEAD_T} tokens, H={HEAD_H}, V={HEAD_V}")
-    fig.tight_layout()
-    fig.savefig(out / "grpo_loss.png", dpi=120)
-    print(f"wrote {out / 'grpo_loss.png'}")
+    common.save_figure(out / "grpo_loss.png", draw, ncols=2, figsize=(12, 4), dpi=120)
 
 
 def main() -> None:

@@ -162,23 +162,19 @@ def _summary(rows: list[dict[str, Any]], t: int) -> dict[str, Any]:
 
 
 def _plot(out: Path, rows: list[dict[str, Any]], t: int) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if "us" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    names = [r["path"].replace(" ", "\n", 1) for r in ok]
-    axes[0].barh(names, [r["us"] / 1e3 for r in ok])
-    axes[0].set_xlabel("ms (median)")
-    axes[0].set_title(f"linear_logp, T={t}, H={H}, V={V}, bf16")
-    axes[1].barh(names, [r["peak_mib"] / 1024 for r in ok], color="tab:red")
-    axes[1].axvline(t * V * 4 / 2**30, color="k", ls="--", label="fp32 [T, V] logits")
-    axes[1].set_xlabel("peak extra GiB")
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(out / "linear_logp.png", dpi=120)
-    print(f"wrote {out / 'linear_logp.png'}")
+
+    def draw(axes):
+        names = [r["path"].replace(" ", "\n", 1) for r in ok]
+        axes[0].barh(names, [r["us"] / 1e3 for r in ok])
+        axes[0].set_xlabel("ms (median)")
+        axes[0].set_title(f"linear_logp, T={t}, H={H}, V={V}, bf16")
+        axes[1].barh(names, [r["peak_mib"] / 1024 for r in ok], color="tab:red")
+        axes[1].axvline(t * V * 4 / 2**30, color="k", ls="--", label="fp32 [T, V] logits")
+        axes[1].set_xlabel("peak extra GiB")
+        axes[1].legend()
+
+    common.save_figure(out / "linear_logp.png", draw, ncols=2, figsize=(13, 4.5), dpi=120)
 
 
 def main() -> None:

@@ -126,25 +126,13 @@ def _case(args, copy_tb_s: float, m: int, h: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(axes):
+        for ax, k in zip(axes, ("fwd", "fused_fwd", "bwd", "fused_bwd")):
+            common.bw_lines(ax, rows, group=lambda r: r["h"], label=lambda h: f"H={h}", x="m",
+                            y=f"{k}_bw_frac", title=f"rms_norm triton bf16: {k}",
+                            target=0.75 if "bwd" in k else 0.9)  # fmt: skip
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    for ax, k in zip(axes, ("fwd", "fused_fwd", "bwd", "fused_bwd")):
-        for h in sorted({r["h"] for r in rows}):
-            rs = sorted((r for r in rows if r["h"] == h), key=lambda r: r["m"])
-            ax.plot([r["m"] for r in rs], [r[f"{k}_bw_frac"] for r in rs], "o-", label=f"H={h}")
-        ax.set_xscale("log", base=2)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(0.75 if "bwd" in k else 0.9, color="g", ls="--", lw=0.8)
-        ax.set_xlabel("rows")
-        ax.set_ylabel("fraction of measured copy bandwidth")
-        ax.set_title(f"rms_norm triton bf16: {k}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    common.save_figure(path, draw, ncols=4, figsize=(20, 4.5))
 
 
 def main() -> None:

@@ -142,25 +142,12 @@ def _qk_case(args, t: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(ax):
+        common.bw_lines(ax, rows, group=lambda r: (r["heads"], r["head_dim"]),
+                        label=lambda g: f"{g[0]}x{g[1]}", x="tokens", y="bw_frac",
+                        title="rope triton bf16 (llama3 scaling)", xlabel="tokens")  # fmt: skip
 
-    fig, ax = plt.subplots(1, 1, figsize=(6, 4.5))
-    for nh, hd in sorted({(r["heads"], r["head_dim"]) for r in rows}):
-        rs = sorted(
-            (r for r in rows if (r["heads"], r["head_dim"]) == (nh, hd)), key=lambda r: r["tokens"]
-        )
-        ax.plot([r["tokens"] for r in rs], [r["bw_frac"] for r in rs], "o-", label=f"{nh}x{hd}")
-    ax.set_xscale("log", base=2)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("fraction of measured copy bandwidth")
-    ax.set_title("rope triton bf16 (llama3 scaling)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    common.save_figure(path, draw)
 
 
 def main() -> None:

@@ -70,24 +70,12 @@ def _case(args, copy_tb_s: float, m: int, d: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    if not common.have_matplotlib():
-        return
-    import matplotlib.pyplot as plt
+    def draw(axes):
+        for ax, k in zip(axes, ("fwd", "bwd")):
+            common.bw_lines(ax, rows, group=lambda r: r["d"], label=lambda d: f"D={d}", x="m",
+                            y=f"{k}_bw_frac", title=f"silu_and_mul triton bf16: {k}")  # fmt: skip
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, k in zip(axes, ("fwd", "bwd")):
-        for d in sorted({r["d"] for r in rows}):
-            rs = sorted((r for r in rows if r["d"] == d), key=lambda r: r["m"])
-            ax.plot([r["m"] for r in rs], [r[f"{k}_bw_frac"] for r in rs], "o-", label=f"D={d}")
-        ax.set_xscale("log", base=2)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("rows")
-        ax.set_ylabel("fraction of measured copy bandwidth")
-        ax.set_title(f"silu_and_mul triton bf16: {k}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    common.save_figure(path, draw, ncols=2, figsize=(11, 4.5))
 
 
 def main() -> None:

@@ -184,6 +184,42 @@ def have_matplotlib() -> bool:
         return False
 
 
+def save_figure(path: Path, draw: Callable[[Any], None], *, ncols: int = 1,
+                figsize: tuple[float, float] = (6, 4.5), dpi: int = 110) -> None:  # fmt: skip
+    """A one-row figure of ``ncols`` axes drawn by ``draw(axes)`` (one axis when ``ncols`` is 1),
+    saved as ``path``; without matplotlib a line says so and nothing is written."""
+    if not have_matplotlib():
+        return
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    try:
+        draw(axes)
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+    print(f"wrote {path}")
+
+
+def bw_lines(ax: Any, rows: Sequence[dict[str, Any]], *, group: Callable[[dict], Any],
+             label: Callable[[Any], str], x: str, y: str, title: str, xlabel: str = "rows",
+             target: float | None = None) -> None:  # fmt: skip
+    """One line per ``group(row)`` value: ``row[y]`` (a fraction of the measured copy bandwidth)
+    over ``row[x]`` on a log2 axis, the copy line at 1 and an optional dashed ``target``."""
+    for g in sorted({group(r) for r in rows}):
+        rs = sorted((r for r in rows if group(r) == g), key=lambda r: r[x])
+        ax.plot([r[x] for r in rs], [r[y] for r in rs], "o-", label=label(g))
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="k", lw=0.8)
+    if target is not None:
+        ax.axhline(target, color="g", ls="--", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of measured copy bandwidth")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))

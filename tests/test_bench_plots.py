@@ -1,0 +1,62 @@
+"""The benchmarks' figures are drawn only after a GPU run; this draws each one on the CPU from the
+rows of a committed H100 result (benchmarks/results/h100/), so a plotting error shows here
+first and not at the end of a device call."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "h100"
+
+
+@pytest.fixture(autouse=True)
+def _benchmarks_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
+def _rows(op: str) -> list[dict]:
+    return json.loads((RESULTS / f"{op}.json").read_text())["rows"]
+
+
+def _bench(name: str):
+    return importlib.import_module(f"bench_{name}")
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rope", "attention"])
+def test_plot_from_committed_rows(op, tmp_path):
+    path = tmp_path / f"{op}.png"
+    _bench(op).plot(_rows(op), path)
+    assert path.stat().st_size > 1000
+
+
+def test_det_gemm_plot(tmp_path):
+    limits = json.loads((RESULTS / "limits.json").read_text())
+    limits = limits.get("limits", limits)
+    path = tmp_path / "det_gemm.png"
+    _bench("det_gemm").plot(_rows("det_gemm"), limits, path)
+    assert path.stat().st_size > 1000
+
+
+def test_grpo_loss_and_linear_logp_plots(tmp_path):
+    rows = _rows("grpo_loss")
+    _bench("grpo_loss")._plot(
+        tmp_path, [r for r in rows if r["part"] == "loss"], [r for r in rows if r["part"] != "loss"]
+    )
+    _bench("linear_logp")._plot(tmp_path, _rows("linear_logp"), 8192)
+    for name in ("grpo_loss.png", "linear_logp.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_save_figure_without_matplotlib_writes_nothing(tmp_path, monkeypatch, capsys):
+    common = importlib.import_module("common")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    common.save_figure(tmp_path / "x.png", lambda ax: None)
+    assert not (tmp_path / "x.png").exists()
+    assert "skipping the PNG" in capsys.readouterr().out
