@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from rl_engine.registry import Provider
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -93,18 +95,14 @@ def device_of(*tensors: torch.Tensor | None) -> torch.device:
 ALL_DEVICES = ("cpu", "cuda", "rocm")
 
 
-def native_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+def native_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Provider:
     """The op's PyTorch reference as its ``native`` provider: every device, the float dtypes,
     invariant (``fields``: ``extras``, ``version``)."""
-    from rl_engine.registry import Provider
-
     return Provider(op=op, name="native", devices=ALL_DEVICES, dtypes=FLOAT_DTYPES,
                     invariant=True, numerics=numerics, fn=fn, **fields)  # fmt: skip
 
 
-def stock_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+def stock_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Provider:
     """What the engines run today, as the ``stock`` provider: every device, not invariant."""
-    from rl_engine.registry import Provider
-
     return Provider(op=op, name="stock", devices=ALL_DEVICES, dtypes=FLOAT_DTYPES,
                     invariant=False, numerics=numerics, fn=fn, **fields)  # fmt: skip

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from rl_engine import config as _rl_config
+from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it every Triton provider reports why it cannot run.
     import triton  # noqa: F401
@@ -54,12 +56,9 @@ def available(device: str, *, triton_interpret: bool) -> str | None:
     return f"device {device!r} is not supported"
 
 
-def triton_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Any:
+def triton_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Provider:
     """An op's ``triton`` provider: CUDA (and the CPU through the Triton interpreter), the float
     dtypes, invariant, availability :func:`available` unless ``fields`` names another."""
-    from rl_engine.ops._common import FLOAT_DTYPES
-    from rl_engine.registry import Provider
-
     fields.setdefault("available", available)
     return Provider(op=op, name="triton", devices=("cuda", "cpu"), dtypes=FLOAT_DTYPES,
                     invariant=True, numerics=numerics, fn=fn, **fields)  # fmt: skip

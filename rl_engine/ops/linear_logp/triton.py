@@ -220,7 +220,7 @@ def linear_logp(
 
 
 def _available(device: str, *, triton_interpret: bool) -> str | None:
-    return _vocab.available(device, triton_interpret=triton_interpret) or _gemm.PROVIDER.why_not(
+    return _tr.available(device, triton_interpret=triton_interpret) or _gemm.PROVIDER.why_not(
         device, triton_interpret=triton_interpret
     )
 

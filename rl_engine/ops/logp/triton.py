@@ -511,9 +511,6 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
     return logp_forward(logits, tokens, temperature)[0]
 
 
-available = _tr.available  # the Triton vocabulary providers' availability check
-
-
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE
 
 PROVIDER = _tr.triton_provider(
