@@ -54,6 +54,13 @@ MODEL = dict(
 PROMPT_LEN = 128
 
 
+# what users run instead: stock vLLM (the ratio's denominator) and vLLM's own batch-invariant mode
+BASELINE = (
+    "stock vLLM 0.24 with CUDA graphs + torch.compile (vs_stock = tokens/s over its "
+    "tokens/s); the vllm_batch_invariant row: the same engine with VLLM_BATCH_INVARIANT=1"
+)
+
+
 def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -243,7 +250,8 @@ def main() -> int:
         # keeps what finished, marked incomplete
         rows = _rows(results)
         done = len(results) == len(configs)
-        payload = {"model": MODEL, "quick": args.quick, "complete": done, "configs": configs}
+        payload = {"model": MODEL, "quick": args.quick, "complete": done, "configs": configs,
+                   "baseline": BASELINE}  # fmt: skip
         common.write_json(args.out, "rollout", {**payload, "rows": rows, "runs": results})
     common.print_table(
         rows,
