@@ -1,7 +1,8 @@
 """Trainer step time against the stacks RL users run: HF + SDPA flash, and HF + SDPA + Liger.
 
 Usage (GPU machine; Liger-Kernel and megatron-core on PYTHONPATH, see PLATFORMS.md):
-``python benchmarks/bench_trainer_hf.py [--out DIR] [--quick] [--layers N] [--seq S] [--batch B]``.
+``python benchmarks/bench_trainer_hf.py [--out DIR] [--quick] [--layers N] [--seq S] [--batch B]
+[--rows hf_sdpa,rl_engine_hf,...] [--profile]``.
 
 Model (~1B, Qwen2-shaped, the shape of ``bench_trainer.py``): 16 layers, hidden 2048, 16 query /
 8 KV heads (head dim 128), FFN 5632 (SwiGLU), vocab 151936, untied LM head, QKV bias, bf16,
@@ -12,19 +13,23 @@ the same weights and tokens for every row:
   ``log_softmax`` -> gather;
 * ``hf_liger``: the same + Liger's RMSNorm / SwiGLU / RoPE kernels, and the LM head through Liger's
   fused linear cross-entropy (``-sum CE`` = summed log-probs; no [tokens, vocab] logits);
-* ``rl_engine_hf``: ``rl_engine.adapters.hf.patch_model`` + ``token_logprobs``;
+* ``rl_engine_hf``: ``rl_engine.adapters.hf.patch_model`` + ``token_logprobs``
+  (``rl_engine_hf_unfused``: the same with ``fuse_projections=False``);
 * ``rl_engine_megatron`` / ``megatron_local``: ``bench_trainer.py``'s two Megatron GPT rows (the
   rl_engine spec and Megatron's local spec; same shape, no QKV bias, their own random weights),
   when megatron-core is importable.
 
 Peak memory is reported above what stays resident between steps (weights and their gradients,
 allocated by the warm-up steps). Also records, per row, whether a sequence's log-probs alone equal the same
-sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``).
+sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``). ``--profile``
+also writes ``DIR/trainer_hf_profile.txt``: per row, the GPU kernels of two steps (torch.profiler,
+sorted by CUDA time) and the GPU-busy time against the wall time (what host time costs).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
 from bench_trainer import MODEL  # noqa: E402
+
+ROWS = (
+    "hf_sdpa",
+    "rl_engine_hf",
+    "rl_engine_hf_unfused",
+    "hf_liger",
+    "rl_engine_megatron",
+    "megatron_local",
+)
 
 
 def build_hf(layers: int):
@@ -83,7 +97,31 @@ def rl_hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return token_logprobs(model, ids, 1.0)
 
 
-def _row(name: str, model, fn, ids: torch.Tensor, quick: bool) -> dict:
+def _profile(name: str, step, path: Path) -> dict:
+    """Two profiled steps: kernel table (appended to ``path``) and GPU-busy vs wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 2
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / 2
+    table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+    with open(path, "a") as f:
+        f.write(
+            f"==== {name}: wall {wall * 1e3:.1f} ms / step, GPU kernels {gpu_us / 1e3:.1f} ms / step ====\n"
+        )
+        f.write(table + "\n\n")
+    return {"profile_wall_ms": wall * 1e3, "profile_gpu_kernels_ms": gpu_us / 1e3}
+
+
+def _row(
+    name: str, model, fn, ids: torch.Tensor, quick: bool, profile_to: Path | None = None
+) -> dict:
     model.train()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -112,6 +150,8 @@ def _row(name: str, model, fn, ids: torch.Tensor, quick: bool) -> dict:
         "alone_vs_batched_bitwise": bool(torch.equal(alone, inside)),
         "alone_vs_batched_max_abs_diff": float((alone - inside).abs().max()),
     }
+    if profile_to is not None:
+        row.update(_profile(name, step, profile_to))
     print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return row
 
@@ -124,6 +164,8 @@ def main() -> None:
             p.add_argument("--seq", type=int, default=MODEL["seq"]),
             p.add_argument("--batch", type=int, default=2),
             p.add_argument("--no-megatron", action="store_true"),
+            p.add_argument("--rows", default=None, help="comma separated rows (default: all)"),
+            p.add_argument("--profile", action="store_true", help="also profile each row"),
         ),
     )
     if not torch.cuda.is_available():
@@ -143,34 +185,57 @@ def main() -> None:
             model.load_state_dict(state)
         return model
 
+    rows = set(args.rows.split(",")) if args.rows else set(ROWS)
+    unknown = rows - set(ROWS)
+    if unknown:
+        raise SystemExit(f"--rows: unknown {sorted(unknown)}; expected some of {list(ROWS)}")
+    prof = args.out / "trainer_hf_profile.txt" if args.profile else None
+    if prof is not None:
+        prof.write_text("")
+
+    def measure(name, model, fn):
+        results[name] = _row(name, model, fn, ids, args.quick, prof)
+
     # stock HF first (no patching in the process yet)
-    model = fresh_hf()
-    results["hf_sdpa"] = _row("hf_sdpa", model, hf_logprobs, ids, args.quick)
-    del model
-    torch.cuda.empty_cache()
-    # rl_engine's HF path (per-instance patches: the next model is unaffected)
-    from rl_engine.adapters.hf import patch_model
-
-    model = fresh_hf()
-    patch_model(model)
-    results["rl_engine_hf"] = _row("rl_engine_hf", model, rl_hf_logprobs, ids, args.quick)
-    del model
-    torch.cuda.empty_cache()
-    # Liger last: its patches replace transformers' classes / functions process-wide
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
-
+    if "hf_sdpa" in rows:
         model = fresh_hf()
-        apply_liger_kernel_to_qwen2(
-            rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, model=model
-        )
-        results["hf_liger"] = _row("hf_liger", model, liger_logprobs, ids, args.quick)
+        measure("hf_sdpa", model, hf_logprobs)
         del model
         torch.cuda.empty_cache()
-    except ImportError as exc:
-        unavailable["hf_liger"] = f"{type(exc).__name__}: {exc}"
-        print("hf_liger: not measured:", unavailable["hf_liger"])
-    if not args.no_megatron and args.batch * args.seq <= 16384:
+    # rl_engine's HF path (per-instance patches: the next model is unaffected)
+    if "rl_engine_hf" in rows:
+        from rl_engine.adapters.hf import patch_model
+
+        model = fresh_hf()
+        patch_model(model)
+        measure("rl_engine_hf", model, rl_hf_logprobs)
+        del model
+        torch.cuda.empty_cache()
+    if "rl_engine_hf_unfused" in rows:  # each q/k/v, gate/up Linear its own GEMM
+        from rl_engine.adapters.hf import patch_model
+
+        model = fresh_hf()
+        patch_model(model, fuse_projections=False)
+        measure("rl_engine_hf_unfused", model, rl_hf_logprobs)
+        del model
+        torch.cuda.empty_cache()
+    # Liger last: its patches replace transformers' classes / functions process-wide
+    if "hf_liger" in rows:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+            model = fresh_hf()
+            apply_liger_kernel_to_qwen2(
+                rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, model=model
+            )
+            measure("hf_liger", model, liger_logprobs)
+            del model
+            torch.cuda.empty_cache()
+        except ImportError as exc:
+            unavailable["hf_liger"] = f"{type(exc).__name__}: {exc}"
+            print("hf_liger: not measured:", unavailable["hf_liger"])
+    megatron_rows = rows & {"rl_engine_megatron", "megatron_local"}
+    if megatron_rows and not args.no_megatron and args.batch * args.seq <= 16384:
         try:
             import bench_trainer as bt
 
@@ -179,10 +244,12 @@ def main() -> None:
                 ("rl", bt.rl_logprobs, "rl_engine_megatron"),
                 ("stock", bt.stock_logprobs, "megatron_local"),
             ):
+                if name not in megatron_rows:
+                    continue
                 model = None
                 try:  # the local spec materialises the scores: may not fit at 8k tokens
                     model = bt.build(kind, args.layers)
-                    results[name] = _row(name, model, fn, ids, args.quick)
+                    measure(name, model, fn)
                 except torch.cuda.OutOfMemoryError as exc:
                     unavailable[name] = f"out of memory: {str(exc).splitlines()[0]}"
                     print(name, "not measured:", unavailable[name])
@@ -192,6 +259,8 @@ def main() -> None:
             unavailable["megatron"] = f"{type(exc).__name__}: {exc}"
             print("megatron rows: not measured:", unavailable["megatron"])
     baselines = {k: v for k, v in results.items() if k in ("hf_sdpa", "hf_liger")}
+    if not baselines:
+        raise SystemExit("no baseline row measured (--rows needs hf_sdpa or hf_liger)")
     fastest = min(baselines, key=lambda k: baselines[k]["step_ms"])
     payload = {
         "model": {**MODEL, "layers": args.layers, "seq": args.seq, "batch": args.batch},

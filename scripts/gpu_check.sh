@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # everything
 #   SKIP_TESTS=1 bash scripts/gpu_check.sh            # benchmarks only
+#   SKIP_BENCH=1 bash scripts/gpu_check.sh            # tests (and fuzzing) only
 #   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
 #   TESTS="tests/ops/test_attention.py" BENCHES="attention trainer" bash scripts/gpu_check.sh
 #   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480: the invariance fuzzing step
@@ -97,14 +98,16 @@ fi
 
 echo "== benchmarks =="
 : > "$OUT/bench.log"
-$PY benchmarks/bench_limits.py --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
-if [ -n "${BENCHES:-}" ]; then
+if [ "${SKIP_BENCH:-0}" != "0" ]; then
+  LIST=""
+elif [ -n "${BENCHES:-}" ]; then
   LIST=$(for n in $BENCHES; do echo "benchmarks/bench_$n.py"; done)
 else
+  $PY benchmarks/bench_limits.py --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
   LIST=$(ls benchmarks/bench_*.py)
 fi
 for b in $LIST; do
-  [ "$b" = benchmarks/bench_limits.py ] && continue
+  [ "$b" = benchmarks/bench_limits.py ] && [ -z "${BENCHES:-}" ] && continue
   echo "-- $b" | tee -a "$OUT/bench.log"
   timeout "${BENCH_TIMEOUT:-900}" $PY "$b" --out "$RES" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
     || { echo "FAILED: $b" | tee -a "$OUT/bench.log"; status=1; }

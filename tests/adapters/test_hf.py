@@ -227,6 +227,46 @@ def test_backward_deterministic(models):
         model.eval()
 
 
+def test_fused_projections_equal_separate_layers(ckpts, monkeypatch):
+    """q/k/v and gate/up as one GEMM each (the default) give the log-probs of separate layers
+    bitwise, and the gradients that do not pass through a fused input gradient (last layer's
+    gate/up, down, final norm, LM head) bitwise; a Linear with a hook is not fused."""
+    case = ("qwen2", "bfloat16", True)  # QKV bias
+    seqs = tc.sequences()[1:4]
+    ids, mask = tc.right_padded(seqs)
+    calls = []
+    real = ops.det_gemm_cat
+    monkeypatch.setattr(ops, "det_gemm_cat", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for fuse in (True, False):
+        model = _load(ckpts[case], case[1], patch=False)
+        ha.patch_model(model, fuse_projections=fuse)
+        model.train()
+        calls.clear()
+        lp = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
+        (-lp.sum()).backward()
+        n_layers = model.config.num_hidden_layers
+        assert len(calls) == (2 * n_layers if fuse else 0)
+        out[fuse] = (lp.detach(), {n: p.grad for n, p in model.named_parameters()}, model)
+    assert_bitwise(out[True][0], out[False][0], "log-probs fused vs separate")
+    last = out[True][2].config.num_hidden_layers - 1
+    for n in (
+        f"model.layers.{last}.mlp.gate_proj.weight",
+        f"model.layers.{last}.mlp.up_proj.weight",
+        f"model.layers.{last}.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
+        assert_bitwise(out[True][1][n], out[False][1][n], f"grad {n} fused vs separate")
+    model = out[True][2]
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: None)
+    calls.clear()
+    with torch.no_grad():
+        lp = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
+    handle.remove()
+    assert len(calls) == 2 * model.config.num_hidden_layers - 1  # layer 0's q/k/v not fused
+    assert_bitwise(lp, out[False][0], "log-probs with one layer unfused")
+
+
 def test_errors(models, ckpts, tmp_path):
     model = models[("llama", "float32", False)]
     ids = torch.randint(0, 512, (2, 6))

