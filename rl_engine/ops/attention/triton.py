@@ -83,7 +83,29 @@ _CONFIGS = {
     128: AttentionConfig(64, 64, 4, 2),
     256: AttentionConfig(64, 32, 8, 1),
 }
-_BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 8}
+
+
+@dataclass(frozen=True)
+class BwdKernelConfig:
+    """Launch of one backward kernel: rows (query token x group head) and KV positions per tile.
+    The backward is only promised deterministic (its bits may change with this table; the
+    forward's never do)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# dK/dV (a program per KV tile, looping over row tiles) and dQ (a program per row tile, looping
+# over KV tiles), keyed by the padded head dim.
+_BWD_CONFIGS = {
+    16: (BwdKernelConfig(64, 64, 4, 1), BwdKernelConfig(64, 64, 4, 1)),
+    32: (BwdKernelConfig(64, 64, 4, 1), BwdKernelConfig(64, 64, 4, 1)),
+    64: (BwdKernelConfig(64, 64, 4, 1), BwdKernelConfig(64, 64, 4, 1)),
+    128: (BwdKernelConfig(64, 64, 8, 1), BwdKernelConfig(64, 64, 8, 1)),
+    256: (BwdKernelConfig(64, 32, 8, 1), BwdKernelConfig(64, 32, 8, 1)),
+}
 
 
 def _block_d(d: int) -> int:
@@ -972,14 +994,20 @@ def attention_bwd(
     cu_seqlens: torch.Tensor,
     scale: float,
     causal: bool,
+    *,
+    bwd_configs: tuple[BwdKernelConfig, BwdKernelConfig] | None = None,
+    kernels: tuple[str, ...] = ("delta", "dkdv", "dq"),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Deterministic backward (Triton): delta, dK/dV (loop over row blocks), dQ (loop over tiles)."""
+    """Deterministic backward (Triton): delta, dK/dV (loop over row blocks), dQ (loop over tiles).
+
+    ``bwd_configs`` (dK/dV, dQ) overrides the checked-in table and ``kernels`` runs a subset
+    (both for ``benchmarks/sweep_attention_bwd.py``; a subset leaves the other outputs unset)."""
     _check_device(q)
     _check_interpreter_dtype(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    cfg = get_config(d)
+    get_config(d)  # validates the head dim
     dout, q, k, v, out = (_last_contig(x) for x in (dout, q, k, v, out))
     lse, cu_seqlens = lse.contiguous(), cu_seqlens.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -987,80 +1015,87 @@ def attention_bwd(
     if t == 0 or num_seqs == 0:
         return dq, dk, dv
     bd = _block_d(d)
-    warps = _BWD_WARPS[bd]
+    cfg_kv, cfg_q = bwd_configs if bwd_configs is not None else _BWD_CONFIGS[bd]
     delta = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     block_r = 32
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+    )
+    common = dict(G=g, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal)
     with _guard(q):
-        _kernel("_attention_bwd_delta_kernel", q.device)[(_tr.cdiv(t * hq, block_r),)](
-            out,
-            dout,
-            delta,
-            t * hq,
-            hq,
-            out.stride(0),
-            out.stride(1),
-            dout.stride(0),
-            dout.stride(1),
-            HEAD_DIM=d,
-            BLOCK_D=bd,
-            BLOCK_R=block_r,
-        )
-        common = dict(
-            G=g, HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal
-        )
-        strides = (
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            dout.stride(0),
-            dout.stride(1),
-        )
-        _kernel("_attention_bwd_dkdv_kernel", q.device)[(t // cfg.block_n + num_seqs, hkv)](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk,
-            dv,
-            cu_seqlens,
-            num_seqs,
-            _n_search(num_seqs),
-            *strides,
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
-            hq,
-            scale,
-            **common,
-            num_warps=warps,
-            num_stages=1,
-        )
-        _kernel("_attention_bwd_dq_kernel", q.device)[(t * g // cfg.block_m + num_seqs, hkv)](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq,
-            cu_seqlens,
-            num_seqs,
-            _n_search(num_seqs),
-            *strides,
-            dq.stride(0),
-            dq.stride(1),
-            hq,
-            scale,
-            **common,
-            num_warps=warps,
-            num_stages=1,
-        )
+        if "delta" in kernels:
+            _kernel("_attention_bwd_delta_kernel", q.device)[(_tr.cdiv(t * hq, block_r),)](
+                out,
+                dout,
+                delta,
+                t * hq,
+                hq,
+                out.stride(0),
+                out.stride(1),
+                dout.stride(0),
+                dout.stride(1),
+                HEAD_DIM=d,
+                BLOCK_D=bd,
+                BLOCK_R=block_r,
+            )
+        if "dkdv" in kernels:
+            grid = (t // cfg_kv.block_n + num_seqs, hkv)
+            _kernel("_attention_bwd_dkdv_kernel", q.device)[grid](
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                dk,
+                dv,
+                cu_seqlens,
+                num_seqs,
+                _n_search(num_seqs),
+                *strides,
+                dk.stride(0),
+                dk.stride(1),
+                dv.stride(0),
+                dv.stride(1),
+                hq,
+                scale,
+                **common,
+                BLOCK_M=cfg_kv.block_m,
+                BLOCK_N=cfg_kv.block_n,
+                num_warps=cfg_kv.num_warps,
+                num_stages=cfg_kv.num_stages,
+            )
+        if "dq" in kernels:
+            grid = (t * g // cfg_q.block_m + num_seqs, hkv)
+            _kernel("_attention_bwd_dq_kernel", q.device)[grid](
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                dq,
+                cu_seqlens,
+                num_seqs,
+                _n_search(num_seqs),
+                *strides,
+                dq.stride(0),
+                dq.stride(1),
+                hq,
+                scale,
+                **common,
+                BLOCK_M=cfg_q.block_m,
+                BLOCK_N=cfg_q.block_n,
+                num_warps=cfg_q.num_warps,
+                num_stages=cfg_q.num_stages,
+            )
     return dq, dk, dv
 
 
