@@ -64,3 +64,33 @@ def test_cases_are_a_function_of_their_seed():
     b = fuzz.Draw(fuzz.Case("logp", "native", "cpu", 99), big=False)
     assert [a.count(300, 1) for _ in range(20)] == [b.count(300, 1) for _ in range(20)]
     assert torch.equal(a.randn(3, 4, dtype=torch.float32), b.randn(3, 4, dtype=torch.float32))
+
+
+# The first GPU fuzz run (H200, 2026-11-26) failed 6 of 7 linear_logp / native cases: the
+# harness compared the native provider (logits through the *resolved* det_gemm, Triton on a GPU)
+# with logp of the native det_gemm. The unfused side now uses the provider's own GEMM.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the case resolves det_gemm on CUDA")
+@pytest.mark.parametrize("seed", [631194409, 1653137829, 1182021441, 1047589226])
+def test_fuzz_regression_linear_logp_native_cuda_gemm(seed):
+    fuzz.check_case(fuzz.Case("linear_logp", "native", "cuda", seed))
+
+
+def test_fuzz_regression_linear_logp_native_uses_the_resolved_gemm(monkeypatch):
+    """The same case on the CPU with the registry's det_gemm resolution moved off the native
+    provider (the stock one here): the harness must compare against that GEMM."""
+    from rl_engine import registry
+
+    real = registry.resolve_provider
+
+    def resolve(op, device, backend=None):
+        if op == "det_gemm" and backend is None:
+            return "stock"
+        return real(op, device, backend)
+
+    monkeypatch.setattr(registry, "resolve_provider", resolve)
+    mode = config.settings().mode
+    config.set_mode("audit")  # the stock provider runs only in audit mode
+    try:
+        fuzz.check_case(fuzz.Case("linear_logp", "native", "cpu", 631194409))
+    finally:
+        config.set_mode(mode)

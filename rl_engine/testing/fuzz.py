@@ -356,6 +356,7 @@ def _entropy(d: Draw) -> None:
 
 def _linear_logp(d: Draw) -> None:
     from rl_engine.ops import det_gemm, linear_logp, logp
+    from rl_engine.registry import resolve_provider
 
     p = d.case.provider
     t, h, v = d.count(120, 9000), d.count(130, 4096), d.count(1500, 151936 + 7)
@@ -367,7 +368,11 @@ def _linear_logp(d: Draw) -> None:
     tok = torch.randint(0, v, (t,), generator=d.g).to(hid.device)
     temp = d.r.choice([0.7, 1.0])
     fused = linear_logp(hid, w, tok, temp, backend=p)
-    unfused = logp(det_gemm(hid, w.t(), backend=p), tok, temp, backend=p)
+    # The fused == unfused contract is against the det_gemm the provider computes its logits
+    # with: the Triton provider's own GEMM, the native provider's *resolved* det_gemm (Triton
+    # on a GPU; found by the first GPU fuzz run, which compared with the native GEMM).
+    gemm = p if p != "native" else resolve_provider("det_gemm", hid.device.type)
+    unfused = logp(det_gemm(hid, w.t(), backend=gemm), tok, temp, backend=p)
     assert_bitwise(fused, unfused, f"linear_logp {t}x{h}x{v} vs logp(det_gemm)")
     i, j, _ = d.rows(t)
     assert_bitwise(linear_logp(hid[i:j], w, tok[i:j], temp, backend=p), fused[i:j], "rows")
