@@ -130,9 +130,7 @@ def test_cat_equals_separate_layers(backend, dtype, with_bias):
     fused = det_gemm_cat(xa, wa, ba, backend=backend)
     fused.backward(g)
     xb, wb, bb = leaves()
-    parts = [
-        det_gemm(xb, w.t(), bb[i] if bb else None, backend=backend) for i, w in enumerate(wb)
-    ]
+    parts = [det_gemm(xb, w.t(), bb[i] if bb else None, backend=backend) for i, w in enumerate(wb)]
     sep = torch.cat(parts, dim=1)
     sep.backward(g)
     assert_bitwise(fused, sep, "forward: fused vs separate")
