@@ -1050,56 +1050,34 @@ def attention_bwd(
                 BLOCK_D=bd,
                 BLOCK_R=block_r,
             )
-        if "dkdv" in kernels:
-            grid = (t // cfg_kv.block_n + num_seqs, hkv)
-            _kernel("_attention_bwd_dkdv_kernel", q.device)[grid](
+        # dK/dV: a program per KV tile; dQ: a program per row tile. Same operands, then the
+        # kernel's outputs and their (token, head) strides.
+        for name, n_tiles, cfg, outs in (
+            ("dkdv", t // cfg_kv.block_n, cfg_kv, (dk, dv)),
+            ("dq", t * g // cfg_q.block_m, cfg_q, (dq,)),
+        ):
+            if name not in kernels:
+                continue
+            _kernel(f"_attention_bwd_{name}_kernel", q.device)[(n_tiles + num_seqs, hkv)](
                 q,
                 k,
                 v,
                 dout,
                 lse,
                 delta,
-                dk,
-                dv,
+                *outs,
                 cu_seqlens,
                 num_seqs,
                 _n_search(num_seqs),
                 *strides,
-                dk.stride(0),
-                dk.stride(1),
-                dv.stride(0),
-                dv.stride(1),
+                *(st for o in outs for st in (o.stride(0), o.stride(1))),
                 hq,
                 scale,
                 **common,
-                BLOCK_M=cfg_kv.block_m,
-                BLOCK_N=cfg_kv.block_n,
-                num_warps=cfg_kv.num_warps,
-                num_stages=cfg_kv.num_stages,
-            )
-        if "dq" in kernels:
-            grid = (t * g // cfg_q.block_m + num_seqs, hkv)
-            _kernel("_attention_bwd_dq_kernel", q.device)[grid](
-                q,
-                k,
-                v,
-                dout,
-                lse,
-                delta,
-                dq,
-                cu_seqlens,
-                num_seqs,
-                _n_search(num_seqs),
-                *strides,
-                dq.stride(0),
-                dq.stride(1),
-                hq,
-                scale,
-                **common,
-                BLOCK_M=cfg_q.block_m,
-                BLOCK_N=cfg_q.block_n,
-                num_warps=cfg_q.num_warps,
-                num_stages=cfg_q.num_stages,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )
     return dq, dk, dv
 
