@@ -19,6 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=scripts/_run_group.sh
+. scripts/_run_group.sh
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # device-side asserts on index inputs (write_kv_cache slots) while testing
@@ -51,26 +53,12 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   echo "== pytest $TESTS -m 'not slow' (CUDA) $XDIST, RL_ENGINE_CHECK_LAUNCH=1 =="
   # every cached kernel launch also asks Triton's own binding which kernel it picks (raises on
   # a difference); the benchmarks below run without it
-  # pytest runs as a background job in a process group of its own (job control on; `timeout`
-  # leads the group, whose id is the job's PID), so that what it leaves behind can be stopped
-  # without touching anyone else's processes on a shared node
-  : > "$OUT/pytest.log"
-  set -m
-  RL_ENGINE_CHECK_LAUNCH=1 timeout "${TEST_TIMEOUT:-3000}" $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs $XDIST ${PYTEST_ARGS:-} \
-    > "$OUT/pytest.log" 2>&1 &
-  pytest_pid=$!
-  set +m
-  tail -n +1 -f --pid="$pytest_pid" "$OUT/pytest.log" &
-  wait "$pytest_pid"
+  # pytest in a process group of its own (scripts/_run_group.sh): a timed-out run can leave
+  # pytest-xdist workers behind, which must not share the GPU and the CPU with the benchmarks
+  RL_ENGINE_CHECK_LAUNCH=1 run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
+    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs $XDIST ${PYTEST_ARGS:-}
   status=$?
-  wait
   echo "pytest exit status: $status"
-  # a timed-out run can leave pytest-xdist workers (execnet processes, in pytest's process
-  # group) behind: they must not share the GPU and the CPU with the benchmarks
-  for sig in TERM KILL; do
-    kill -"$sig" -- "-$pytest_pid" 2>/dev/null
-    sleep 1
-  done
   # machine-readable result next to the log (counts from pytest's last line)
   $PY - "$OUT/pytest.log" "$status" "$OUT/tests.json" "$TESTS" <<'PYEOF'
 import json, re, sys

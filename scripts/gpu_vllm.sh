@@ -17,6 +17,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=scripts/_run_group.sh
+. scripts/_run_group.sh
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
@@ -76,22 +78,11 @@ for step in ${STEPS:-e2e}; do
       cmd=($PY -m rl_engine.cli grpo --model /tmp/grpo_qwen2 --trainer "$trainer" --device cuda --steps 8 --num-prompts 16 --group-size 8 --max-tokens 64 --lr 1e-3 --gate --no-progress --out "$RES/grpo_qwen2_0.5b_$trainer") ;;
     *) echo "unknown step $step"; status=2; continue ;;
   esac
-  # the step runs in a process group of its own (job control on), so that what it leaves
-  # behind when it times out (an audit's vLLM worker still holding the GPU) is stopped before
-  # the next step: a leftover worker once slowed a rollout benchmark that followed
-  set -m
+  # each step in a process group of its own (scripts/_run_group.sh): what a timed-out step leaves
+  # behind (an audit's vLLM worker) once slowed a rollout benchmark that followed
   # shellcheck disable=SC2086
-  timeout "${STEP_TIMEOUT:-560}" "${cmd[@]}" $extra > "$OUT/$step.log" 2>&1 &
-  step_pid=$!
-  set +m
-  tail -n +1 -f --pid="$step_pid" "$OUT/$step.log" &
-  wait "$step_pid"
+  run_group "${STEP_TIMEOUT:-560}" "$OUT/$step.log" "${cmd[@]}" $extra
   rc=$?
-  wait
-  for sig in TERM KILL; do
-    kill -"$sig" -- "-$step_pid" 2>/dev/null
-    sleep 1
-  done
   echo "$step exit status: $rc" | tee -a "$OUT/steps.txt"
   [ "$rc" = 0 ] || status=1
 done
