@@ -109,7 +109,9 @@ def _profile(name: str, step, path: Path) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 2
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / 2
+    # kernels only: a launching op's row repeats its kernels' time as its own "self" device time
+    cuda = torch.autograd.DeviceType.CUDA
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == cuda) / 2
     table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
     with open(path, "a") as f:
         f.write(
