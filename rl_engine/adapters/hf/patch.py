@@ -272,7 +272,10 @@ class _AttentionForward(_PatchedForward):
             qkv = _shared_input_linears(hidden_states, (mod.q_proj, mod.k_proj, mod.v_proj))
         if qkv is not None:
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
+            # v is copied out: the attention saves v for its backward, and a view would keep
+            # the whole fused [tokens, (hq + 2 hkv) d] output alive until then (4x v's bytes at
+            # 16 / 8 heads); q and k are new tensors after rope anyway
+            q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.contiguous().view(b, s, hkv, d)
         else:
             q = mod.q_proj(hidden_states).view(b, s, hq, d)
             k = mod.k_proj(hidden_states).view(b, s, hkv, d)
