@@ -66,6 +66,7 @@ class FuzzReport:
     skipped: int = 0
     failures: list[dict[str, Any]] = field(default_factory=list)
     per_op: dict[str, int] = field(default_factory=dict)
+    seconds_per_op: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -76,6 +77,7 @@ class FuzzReport:
             "failed": len(self.failures),
             "failures": self.failures,
             "per_op": self.per_op,
+            "seconds_per_op": {k: round(v, 2) for k, v in self.seconds_per_op.items()},
             "seconds": round(self.seconds, 1),
         }
 
@@ -512,7 +514,9 @@ def run(
         op, prov = pairs[idx % len(pairs)]
         case = Case(op, prov, device, master.randrange(2**31))
         rep.cases += 1
-        rep.per_op[f"{op}/{prov}"] = rep.per_op.get(f"{op}/{prov}", 0) + 1
+        key = f"{op}/{prov}"
+        rep.per_op[key] = rep.per_op.get(key, 0) + 1
+        t_case = time.perf_counter()
         try:
             check_case(case, big=big)
             rep.passed += 1
@@ -524,6 +528,8 @@ def run(
                                  "reproducer": case.reproducer()})  # fmt: skip
             print(f"FUZZ FAIL {case.op}/{case.provider} seed {case.seed}: {msg}\n  "
                   f"{case.reproducer()}", file=sys.stderr, flush=True)  # fmt: skip
+        spent = time.perf_counter() - t_case
+        rep.seconds_per_op[key] = rep.seconds_per_op.get(key, 0.0) + spent
         if progress and rep.cases % 100 == 0:
             print(f"fuzz: {rep.cases} cases, {len(rep.failures)} failed, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
