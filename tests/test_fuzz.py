@@ -22,18 +22,18 @@ def _assert_clean(rep: fuzz.FuzzReport, min_cases: int) -> None:
     assert ops == set(fuzz.OPS), f"ops not reached in the budget: {set(fuzz.OPS) - ops}"
 
 
+# Fixed case counts, no time budget: a budget made the verdict depend on the host's speed (a
+# loaded 8-worker GPU host drew 36 cases in 20 s, a CI runner 100+).
 def test_fuzz_reference_providers():
-    rep = fuzz.run(device="cpu", cases=5000, seed=11, providers=["native"], budget=20)
-    _assert_clean(rep, min_cases=100)
+    rep = fuzz.run(device="cpu", cases=220, seed=11, providers=["native"])
+    _assert_clean(rep, min_cases=220)
 
 
 def test_fuzz_triton_providers_in_the_interpreter():
     if not config.settings().triton_interpret:
         pytest.skip("needs TRITON_INTERPRET=1 (the interpreter suite of scripts/test.sh)")
-    rep = fuzz.run(
-        device="cpu", cases=5000, seed=12, providers=["triton", "triton_split"], budget=25
-    )
-    _assert_clean(rep, min_cases=10)
+    rep = fuzz.run(device="cpu", cases=22, seed=12, providers=["triton", "triton_split"])
+    _assert_clean(rep, min_cases=22)
 
 
 def test_a_broken_op_is_caught_with_a_reproducer(monkeypatch, capsys):
