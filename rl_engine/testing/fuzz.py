@@ -93,6 +93,10 @@ class Draw:
     def __init__(self, case: Case, big: bool) -> None:
         self.r = random.Random(case.seed)
         self.g = torch.Generator().manual_seed(case.seed)
+        # the large tensors are drawn on the case's device (CPU draws of 10^8 normals took most
+        # of a GPU case's time); on the CPU it is the same generator, so CPU cases are unchanged
+        dev = torch.device(case.device)
+        self.g_data = self.g if dev.type == "cpu" else torch.Generator(dev).manual_seed(case.seed)
         self.case = case
         self.big = big  # GPU sizes (else small: the CPU reference and the interpreter)
         self.interp = case.device == "cpu" and case.provider.startswith("triton")
@@ -120,7 +124,7 @@ class Draw:
         return self.r.choice(opts)
 
     def randn(self, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-        x = torch.randn(*shape, generator=self.g) * scale
+        x = torch.randn(*shape, generator=self.g_data, device=self.g_data.device) * scale
         return x.to(device=self.case.device, dtype=dtype)
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
