@@ -94,3 +94,22 @@ def test_fuzz_regression_linear_logp_native_uses_the_resolved_gemm(monkeypatch):
         fuzz.check_case(fuzz.Case("linear_logp", "native", "cpu", 631194409))
     finally:
         config.set_mode(mode)
+
+
+# The H100 fuzz run of 2026-11-26: an fp32 det_gemm output that cancels to near zero was 2.5x
+# the table's fixed atol away from float64, inside the dot-product error bound fp32 allows.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the case is a CUDA case")
+def test_fuzz_regression_det_gemm_fp32_cancelling_output_1439165853():
+    fuzz.check_case(fuzz.Case("det_gemm", "triton", "cuda", 1439165853))
+
+
+def test_fp32_dot_bound_catches_lost_precision():
+    """The bound the fp32 det_gemm cases use still fails a GEMM that rounds its inputs to
+    bf16 (TF32-like precision loss) and passes the exact-in-float64 product rounded to fp32."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 513, generator=g), torch.randn(513, 40, generator=g)
+    want = a.double() @ b.double()
+    fuzz._check_fp32_dot_bound(want.float(), a, b, None, want, "exact")
+    lossy = a.bfloat16().double() @ b.bfloat16().double()
+    with pytest.raises(AssertionError, match="outside the fp32 dot-product bound"):
+        fuzz._check_fp32_dot_bound(lossy.float(), a, b, None, want, "lossy")
