@@ -3,7 +3,9 @@
 For each configuration (``stock``: vLLM and the trainer as shipped; ``rl_engine``: both routed
 through rl_engine's invariant kernels) and each rollout concurrency in ``--batch-sizes``, vLLM
 generates from the prompts, the trainer scores the same tokens teacher-forced, and the sampled
-tokens' log-probs are compared. Each side runs in its own process (``rl_engine.audit.worker``).
+tokens' log-probs are compared. Each side of a configuration runs in its own process
+(``rl_engine.audit.worker``): one vLLM engine serves every concurrency, one trainer load scores
+every run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from rl_engine.rl.engines import WorkerError, run_worker, worker_env
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # report.json layout version: bumped when a field changes meaning or goes away
-SCHEMA_VERSION = 2
+# (3: one rollout engine per configuration; runs[].seconds became runs[].rollout_seconds, the
+# workers' wall times are in the configuration's "seconds")
+SCHEMA_VERSION = 3
 # stock: vLLM and the trainer as shipped; vllm-batch-invariant: vLLM's own batch-invariant mode
 # (VLLM_BATCH_INVARIANT=1, GPU only) against the stock trainer; rl_engine: both sides routed.
 CONFIGS = ("stock", "vllm-batch-invariant", "rl_engine")
@@ -307,7 +311,7 @@ def _run_worker(
 ) -> dict[str, Any]:
     """Run one worker; a failure raises :class:`AuditWorkerError` with the worker's traceback
     (the worker writes it to ``<workdir>/<tag>.out.json.traceback``) and its log's path."""
-    rollout_side = cfg["role"] == "rollout" or cfg.get("side") == "rollout"
+    rollout_side = cfg["role"] in ("rollout", "localize")  # localize: the rollout's capture
     plugin = cfg["engine"] == "rl_engine" and rollout_side
     tb_path = os.path.join(workdir, f"{tag}.out.json.traceback")
     try:
@@ -372,87 +376,98 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             env_roll.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     progress = not args.no_progress
     results: dict[str, Any] = {}
-    steps = len(args.config_list) * len(args.batch_size_list)
-    step = 0
-    for name in args.config_list:
+    n_cfg = len(args.config_list)
+    concurrency = ",".join(map(str, args.batch_size_list))
+    for k, name in enumerate(args.config_list, 1):
+        base = {
+            "model": model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "engine": "rl_engine" if name == "rl_engine" else "stock",
+            "progress": progress,
+        }
+        t0 = time.perf_counter()
+        _say(
+            f"[{k}/{n_cfg}] {name}: vLLM rollout, {len(prompts)} prompts at concurrency "
+            f"{concurrency} (one engine)"
+        )
+        roll = _run_worker(
+            {
+                **base,
+                "role": "rollout",
+                "prompts": prompts,
+                "batch_sizes": args.batch_size_list,
+                "max_tokens": args.max_tokens,
+                "max_model_len": config["_max_model_len"],
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "tensor_parallel_size": args.tensor_parallel_size,
+            },
+            workdir,
+            _side_env(name, "rollout", env_roll, env_train),
+            f"{name}-rollout",
+        )
+        t_roll = time.perf_counter() - t0
+        loc_seq = None
+        if args.localize:
+            seq = roll["runs"][-1]["sequences"][0]
+            loc_seq = seq["prompt"] + seq["tokens"]
+        _say(f"[{k}/{n_cfg}] {name}: {args.trainer} trainer scoring the sampled tokens")
+        train = _run_worker(
+            {
+                **base,
+                "role": "trainer",
+                "trainer": args.trainer,
+                "runs": [
+                    {"batch_size": r["batch_size"], "sequences": r["sequences"]}
+                    for r in roll["runs"]
+                ],
+                "localize": None
+                if loc_seq is None
+                else {
+                    "sequence": loc_seq,
+                    "capture_path": os.path.join(workdir, f"{name}-localize-trainer.pt"),
+                },
+            },
+            workdir,
+            _side_env(name, "trainer", env_roll, env_train),
+            f"{name}-trainer",
+        )
         roll_all: list[list[float]] = []
         train_all: list[list[float]] = []
-        prov_roll: list[dict[str, Any]] = []
-        prov_train: list[dict[str, Any]] = []
         runs = []
-        for bs in args.batch_size_list:
-            step += 1
-            base = {
-                "model": model,
-                "device": args.device,
-                "dtype": args.dtype,
-                "temperature": args.temperature,
-                "seed": args.seed,
-                "engine": "rl_engine" if name == "rl_engine" else "stock",
-                "progress": progress,
-            }
-            t0 = time.perf_counter()
-            _say(f"[{step}/{steps}] {name}: vLLM rollout, {len(prompts)} prompts, concurrency {bs}")
-            roll = _run_worker(
-                {
-                    **base,
-                    "role": "rollout",
-                    "prompts": prompts,
-                    "batch_size": bs,
-                    "max_tokens": args.max_tokens,
-                    "max_model_len": config["_max_model_len"],
-                    "gpu_memory_utilization": args.gpu_memory_utilization,
-                    "tensor_parallel_size": args.tensor_parallel_size,
-                },
-                workdir,
-                _side_env(name, "rollout", env_roll, env_train),
-                f"{name}-bs{bs}-rollout",
-            )
-            _say(f"[{step}/{steps}] {name}: {args.trainer} trainer scoring the sampled tokens")
-            train = _run_worker(
-                {
-                    **base,
-                    "role": "trainer",
-                    "trainer": args.trainer,
-                    "sequences": roll["sequences"],
-                },
-                workdir,
-                _side_env(name, "trainer", env_roll, env_train),
-                f"{name}-bs{bs}-trainer",
-            )
-            r = [s["logprobs"] for s in roll["sequences"]]
-            t = train["logprobs"]
+        for rr, tr in zip(roll["runs"], train["runs"]):
+            r = [s["logprobs"] for s in rr["sequences"]]
+            t = tr["logprobs"]
             m = compare(r, t)
             runs.append(
                 {
-                    "batch_size": bs,
+                    "batch_size": rr["batch_size"],
                     "bitwise_equal_fraction": m["bitwise_equal_fraction"],
                     "max_abs_delta": m["max_abs_delta"],
-                    "seconds": round(time.perf_counter() - t0, 1),
+                    "rollout_seconds": rr["seconds"],
                 }
             )
             roll_all += r
             train_all += t
-            prov_roll += roll["provenance"]
-            prov_train += train["provenance"]
         metrics = compare(roll_all, train_all)
         metrics["runs"] = runs
-        if args.localize:
-            seq = roll["sequences"][0]
+        metrics["seconds"] = {
+            "rollout_worker": round(t_roll, 1),
+            "trainer_worker": round(time.perf_counter() - t0 - t_roll, 1),
+        }
+        if loc_seq is not None:
             _say(
-                f"[{name}] localisation: one sequence ({len(seq['prompt']) + len(seq['tokens'])} "
-                "tokens) through both sides with hooks on every sub-block"
+                f"[{k}/{n_cfg}] {name}: localisation, one sequence ({len(loc_seq)} tokens) "
+                "through both sides with hooks on every sub-block"
             )
+            t1 = time.perf_counter()
             metrics["localize"] = _localize(
-                args,
-                name,
-                base,
-                seq["prompt"] + seq["tokens"],
-                config,
-                workdir,
-                env_roll,
-                env_train,
+                args, name, base, loc_seq, config, workdir, env_roll, train["capture_path"]
             )
+            metrics["seconds"]["localize"] = round(time.perf_counter() - t1, 1)
+        prov_roll, prov_train = roll["provenance"], train["provenance"]
         metrics["provenance"] = {
             "rollout": _dedup(prov_roll),
             "trainer": _dedup(prov_train),
@@ -498,36 +513,33 @@ def _localize(
     config: dict[str, Any],
     workdir: str,
     env_roll: dict[str, str],
-    env_train: dict[str, str],
+    trainer_capture: str,
 ) -> dict[str, Any]:
-    """Both sides' activations on ``sequence`` compared point by point
+    """The rollout's activations on ``sequence`` (an eager engine of its own) against the
+    trainer's (``trainer_capture``, written by the trainer worker), point by point
     (:func:`rl_engine.audit.localize.compare_captures`)."""
     import torch
 
     from rl_engine.audit.localize import compare_captures
 
-    caps = {}
-    for side in ("rollout", "trainer"):
-        path = os.path.join(workdir, f"{name}-localize-{side}.pt")
-        env = _side_env(name, side, env_roll, env_train)
-        _run_worker(
-            {
-                **base,
-                "progress": False,
-                "role": "localize",
-                "side": side,
-                "trainer": args.trainer,
-                "sequence": sequence,
-                "max_model_len": config["_max_model_len"],
-                "gpu_memory_utilization": args.gpu_memory_utilization,
-                "capture_path": path,
-            },
-            workdir,
-            env,
-            f"{name}-localize-{side}",
-        )
-        caps[side] = torch.load(path)
-    return compare_captures(caps["rollout"], caps["trainer"], temperature=args.temperature)
+    path = os.path.join(workdir, f"{name}-localize-rollout.pt")
+    _run_worker(
+        {
+            **base,
+            "progress": False,
+            "role": "localize",
+            "sequence": sequence,
+            "max_model_len": config["_max_model_len"],
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "capture_path": path,
+        },
+        workdir,
+        _side_env(name, "rollout", env_roll, {}),
+        f"{name}-localize-rollout",
+    )
+    return compare_captures(
+        torch.load(path), torch.load(trainer_capture), temperature=args.temperature
+    )
 
 
 def _dedup(rep: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -601,13 +613,13 @@ def _markdown(report: dict[str, Any], table: str) -> str:
         out += [
             f"## {name}",
             "",
-            "| concurrency | bitwise equal | max abs dlogp | seconds |",
+            "| concurrency | bitwise equal | max abs dlogp | rollout seconds |",
             "| --- | --- | --- | --- |",
         ]
         for r in m["runs"]:
             out.append(
                 f"| {r['batch_size']} | {100 * r['bitwise_equal_fraction']:.2f}% | "
-                f"{fmt_delta(r['max_abs_delta'])} | {r['seconds']} |"
+                f"{fmt_delta(r['max_abs_delta'])} | {r['rollout_seconds']} |"
             )
         out += [
             "",

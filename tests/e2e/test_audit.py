@@ -163,7 +163,12 @@ def test_audit_worker_failure_shows_traceback_and_keeps_log(tmp_path, monkeypatc
             "model": str(tmp_path),
             "dtype": "float32",
             "temperature": 1.0,
-            "sequences": [{"prompt": [1, 2], "tokens": [3], "logprobs": [0.0]}],
+            "runs": [
+                {
+                    "batch_size": 1,
+                    "sequences": [{"prompt": [1, 2], "tokens": [3], "logprobs": [0.0]}],
+                }
+            ],
             "progress": True,
         }
         return cli._run_worker(cfg, workdir, {}, "stock-bs1-trainer")
@@ -194,7 +199,9 @@ def test_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     from rl_engine.audit import cli, metrics, plots
 
     m = metrics.compare([[-1.0, -2.0]], [[-1.0, -2.5]])
-    m["runs"] = [dict(batch_size=1, bitwise_equal_fraction=0.5, max_abs_delta=0.5, seconds=0.1)]
+    m["runs"] = [
+        dict(batch_size=1, bitwise_equal_fraction=0.5, max_abs_delta=0.5, rollout_seconds=0.1)
+    ]
     m["provenance"] = {"rollout": [], "trainer": [], "check": None}
     report = dict(
         schema_version=cli.SCHEMA_VERSION,
