@@ -1,7 +1,7 @@
 """Rollout throughput: vLLM with the rl_engine plugin vs stock vLLM vs ``VLLM_BATCH_INVARIANT=1``.
 
     python3 benchmarks/bench_rollout.py [--quick] [--out DIR] [--configs stock,rl_engine]
-        [--sizes 64,256] [--new-tokens N] [--repeats N] [--profile DIR]
+        [--sizes 64,256] [--new-tokens N] [--repeats N] [--rounds N] [--profile DIR]
 
 A ~1B Qwen2-shaped bf16 model (16 layers, hidden 2048, 16/8 heads, FFN 5632, vocab 151936, tied,
 random weights written locally), 64 and 256 concurrent prompts of 128 tokens x 512 new tokens
@@ -10,7 +10,11 @@ sampled token's log-prob), ``logprobs_mode="processed_logprobs"``, CUDA graphs a
 on for every configuration, vLLM's engine core in its own process (its default). Each configuration runs in its own subprocess (the plugin's patches
 are process-global): engine start-up time (load + compile + graph capture), one warm-up
 generate, then the timed generates (``--repeats``, default 3: the median is reported, every
-time kept in ``all_seconds``). Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
+time kept in ``all_seconds``). ``--rounds N`` starts every configuration's engine N times,
+alternating the order (A B, B A, ...): on the lent machines the same engine varied by up to
++-15% between processes, so one process per configuration can misstate a ratio; a row then
+reports the median over every timed generate of every round, and each round's tokens/s in
+``round_tokens_per_s``. Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
 start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
 64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
@@ -157,6 +161,31 @@ def _profile(fn, stem: Path) -> dict:
     return {"wall_ms": round(wall, 1), "device_ms": round(dev, 1)}
 
 
+def _merge_rounds(runs: list[dict]) -> dict:
+    """One configuration's engine processes as one result: per size the median over every
+    timed generate of every process, each process's tokens/s kept."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = {**runs[-1], "engine_start_s": statistics.median(r["engine_start_s"] for r in runs)}
+    merged["rounds"] = runs
+    rows = []
+    for i, row in enumerate(runs[0]["rows"]):
+        times = [t for r in runs for t in r["rows"][i]["all_seconds"]]
+        dt = statistics.median(times)
+        n, tokens = row["prompts"], row["new_tokens"]
+        rows.append(
+            {
+                **row,
+                "seconds": round(dt, 3),
+                "tokens_per_s": round(n * tokens / dt, 1),
+                "all_seconds": times,
+                "round_tokens_per_s": [r["rows"][i]["tokens_per_s"] for r in runs],
+            }
+        )
+    merged["rows"] = rows
+    return merged
+
+
 def _rows(results: dict[str, dict]) -> list[dict]:
     """One row per configuration and size, with its ratio to stock vLLM's tokens/s."""
     stock = {r["prompts"]: r["tokens_per_s"] for r in results.get("stock", {}).get("rows", [])}
@@ -193,6 +222,12 @@ def main() -> int:
         p.add_argument("--new-tokens", type=int, default=None)
         p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables")
         p.add_argument(
+            "--rounds",
+            type=int,
+            default=1,
+            help="engine processes per configuration, in alternating order (default 1)",
+        )
+        p.add_argument(
             "--repeats",
             type=int,
             default=None,
@@ -215,8 +250,12 @@ def main() -> int:
     model = make_tiny_model(
         work / "qwen2_1b", dtype="bfloat16", seed=0, initializer_range=0.02, **MODEL
     )
-    results = {}
-    for name in configs:
+    results: dict[str, dict] = {}
+    rounds: dict[str, list[dict]] = {name: [] for name in configs}
+    order = [
+        (k, name) for k in range(args.rounds) for name in (configs if k % 2 == 0 else configs[::-1])
+    ]
+    for k, name in order:
         env = dict(os.environ)
         env.update(CONFIGS[name])
         # vLLM's default: the engine core in its own process (scheduling and the model runner
@@ -227,7 +266,7 @@ def main() -> int:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env["ROLLOUT_REPEATS"] = str(args.repeats or (1 if args.quick else 3))
-        out = work / f"{name}.json"
+        out = work / f"{name}.r{k}.json"
         cmd = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -238,20 +277,22 @@ def main() -> int:
             str(out),
         ]
         t = time.perf_counter()
-        log = work / f"{name}.log"
+        log = work / f"{name}.r{k}.log"
         with open(log, "w") as f:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-        print(f"{name}: exit {rc} in {time.perf_counter() - t:.0f}s (log {log})")
+        print(f"{name} (round {k + 1}/{args.rounds}): exit {rc} in "
+              f"{time.perf_counter() - t:.0f}s (log {log})")  # fmt: skip
         if rc == 0 and out.exists():
-            results[name] = json.loads(out.read_text())
+            rounds[name].append(json.loads(out.read_text()))
+            results[name] = _merge_rounds(rounds[name])
         else:
             results[name] = {"error": f"exit {rc}", "log_tail": log.read_text()[-3000:]}
-        # written after every configuration: a run cut short (a device call's time limit)
-        # keeps what finished, marked incomplete
+        # written after every engine: a run cut short (a device call's time limit) keeps what
+        # finished, marked incomplete
         rows = _rows(results)
-        done = len(results) == len(configs)
+        done = all(len(rounds[n]) == args.rounds for n in configs)
         payload = {"model": MODEL, "quick": args.quick, "complete": done, "configs": configs,
-                   "baseline": BASELINE}  # fmt: skip
+                   "rounds": args.rounds, "baseline": BASELINE}  # fmt: skip
         common.write_json(args.out, "rollout", {**payload, "rows": rows, "runs": results})
     common.print_table(
         rows,

@@ -7,7 +7,9 @@
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh            # tests (and fuzzing) only
 #   BENCH_ARGS=--quick bash scripts/gpu_check.sh      # shorter benchmarks
 #   TESTS="tests/ops/test_attention.py" BENCHES="attention trainer" bash scripts/gpu_check.sh
-#   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480: the invariance fuzzing step
+#   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480 / FUZZ_WORKERS=1 / FUZZ_SEED=0 /
+#   FUZZ_EXTRAS=1: the invariance fuzzing step (FUZZ_WORKERS processes share the GPU; a
+#   different FUZZ_SEED draws a different case list)
 #   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
@@ -74,9 +76,11 @@ if [ "${SKIP_FUZZ:-0}" = "0" ]; then
   # invariance fuzzing: FUZZ_CASES drawn cases over every op and provider (sizes up to 70,000
   # rows, a 151,936 + 7 vocabulary), the long inputs and 100 repeats of a patched model's
   # forward + backward; a failure prints its one-line reproducer
-  echo "== fuzz: ${FUZZ_CASES:-10000} cases (budget ${FUZZ_BUDGET:-480} s) =="
+  echo "== fuzz: ${FUZZ_CASES:-10000} cases (budget ${FUZZ_BUDGET:-480} s, ${FUZZ_WORKERS:-1} workers, seed ${FUZZ_SEED:-0}) =="
+  extras=(--extras); [ "${FUZZ_EXTRAS:-1}" = "1" ] || extras=()
   timeout "$(( ${FUZZ_BUDGET:-480} + 240 ))" $PY -m rl_engine.testing.fuzz --device cuda \
-    --cases "${FUZZ_CASES:-10000}" --budget "${FUZZ_BUDGET:-480}" --extras \
+    --cases "${FUZZ_CASES:-10000}" --budget "${FUZZ_BUDGET:-480}" "${extras[@]}" \
+    --workers "${FUZZ_WORKERS:-1}" --seed "${FUZZ_SEED:-0}" \
     --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1
   fuzz_status=$?
   echo "fuzz exit status: $fuzz_status"

@@ -71,7 +71,7 @@ for step in ${STEPS:-e2e}; do
     tp-vllm) cmd=(env VLLM_TP=1 bash scripts/gpu_tp.sh) ;;  # vLLM TP 2 with CUDA graphs
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU
       $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/audit_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=4, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936)" || status=1
-      cmd=($PY -m rl_engine.cli audit --model /tmp/audit_qwen2 --device cuda --temperature 0.7 --gate --no-progress --out "$OUT/audit") ;;
+      cmd=($PY -m rl_engine.cli audit --model /tmp/audit_qwen2 --device cuda --temperature 0.7 --configurations stock,vllm-batch-invariant,rl_engine --localize --gate --no-progress --out "$RES/audit_qwen2") ;;
     grpo|grpo-megatron)  # Qwen2.5-0.5B shape (tied, QKV bias), random weights, bf16
       [ -f /tmp/grpo_qwen2/config.json ] || $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('/tmp/grpo_qwen2', arch='qwen2', dtype='bfloat16', seed=0, tie_word_embeddings=True, num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936)" || status=1
       trainer=hf; [ "$step" = grpo-megatron ] && trainer=megatron

@@ -60,3 +60,24 @@ def test_save_figure_without_matplotlib_writes_nothing(tmp_path, monkeypatch, ca
     common.save_figure(tmp_path / "x.png", lambda ax: None)
     assert not (tmp_path / "x.png").exists()
     assert "skipping the PNG" in capsys.readouterr().out
+
+
+def test_rollout_rounds_merge_every_timed_generate():
+    """``bench_rollout.py --rounds``: a row is the median over every timed generate of every
+    engine process; each process's tokens/s is kept."""
+    import bench_rollout
+
+    def run(start, secs):
+        row = dict(prompts=64, prompt_len=128, new_tokens=512, all_seconds=secs)
+        row["seconds"] = sorted(secs)[len(secs) // 2]
+        row["tokens_per_s"] = round(64 * 512 / row["seconds"], 1)
+        return {"engine_start_s": start, "rows": [row]}
+
+    one = run(30.0, [2.0, 2.2, 2.1])
+    assert bench_rollout._merge_rounds([one]) is one
+    merged = bench_rollout._merge_rounds([one, run(40.0, [1.0, 1.1, 1.2]), run(50.0, [3.0])])
+    (row,) = merged["rows"]
+    assert row["seconds"] == 2.0 and row["tokens_per_s"] == round(64 * 512 / 2.0, 1)
+    assert sorted(row["all_seconds"]) == [1.0, 1.1, 1.2, 2.0, 2.1, 2.2, 3.0]
+    assert row["round_tokens_per_s"] == [15603.8, 29789.1, 10922.7]
+    assert merged["engine_start_s"] == 40.0 and len(merged["rounds"]) == 3

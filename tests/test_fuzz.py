@@ -59,6 +59,30 @@ def test_a_broken_op_is_caught_with_a_reproducer(monkeypatch, capsys):
     assert fuzz.main(["--op", "det_gemm", "--provider", "native", "--case-seed", str(seed)]) == 0
 
 
+def test_shards_together_are_the_unsharded_run(monkeypatch):
+    """``--workers`` splits one case list: the shards' cases (seen through the failures of a
+    batch-dependent det_gemm, which fails every case) are exactly the unsharded run's."""
+    import rl_engine.ops as ops
+
+    real = ops.det_gemm
+
+    def batch_dependent(a, b, bias=None, *, backend=None):
+        out = real(a, b, bias, backend=backend)
+        return out + (a.shape[0] % 3 == 1) * torch.finfo(out.dtype).eps * out
+
+    monkeypatch.setattr(ops, "det_gemm", batch_dependent)
+    kw = dict(device="cpu", cases=9, seed=5, ops=["det_gemm", "ratio_kl"], providers=["native"])
+    whole = fuzz.run(**kw)
+    merged = fuzz.FuzzReport()
+    for i in range(3):
+        merged.merge(fuzz.run(**kw, shard=(i, 3)).as_dict())
+    assert merged.cases == whole.cases == 9 and merged.per_op == whole.per_op
+    seeds = sorted(f["case"]["seed"] for f in merged.failures)
+    assert seeds and seeds == sorted(f["case"]["seed"] for f in whole.failures)
+    with pytest.raises(ValueError, match="shard 3/3"):
+        fuzz.run(**kw, shard=(3, 3))
+
+
 def test_cases_are_a_function_of_their_seed():
     a = fuzz.Draw(fuzz.Case("logp", "native", "cpu", 99), big=False)
     b = fuzz.Draw(fuzz.Case("logp", "native", "cpu", 99), big=False)

@@ -69,6 +69,18 @@ class FuzzReport:
     seconds_per_op: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
+    def merge(self, other: dict[str, Any]) -> None:
+        """Add another run's :meth:`as_dict` (a shard's) into this report; ``seconds`` is left
+        to the caller (shards run at the same time)."""
+        self.cases += other["cases"]
+        self.passed += other["passed"]
+        self.skipped += other["skipped"]
+        self.failures += other["failures"]
+        for k, v in other["per_op"].items():
+            self.per_op[k] = self.per_op.get(k, 0) + v
+        for k, v in other["seconds_per_op"].items():
+            self.seconds_per_op[k] = self.seconds_per_op.get(k, 0.0) + v
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "cases": self.cases,
@@ -527,9 +539,14 @@ def run(
     budget: float | None = None,
     big: bool | None = None,
     progress: bool = False,
+    shard: tuple[int, int] = (0, 1),
 ) -> FuzzReport:
     """``cases`` cases round-robin over ``ops`` x their runnable providers (or until ``budget``
-    seconds have passed)."""
+    seconds have passed). ``shard=(i, n)``: only the cases whose index is ``i`` modulo ``n``;
+    the case seeds are those of the unsharded run, so ``n`` shards together are that run."""
+    i_shard, n_shard = shard
+    if not 0 <= i_shard < n_shard:
+        raise ValueError(f"shard {i_shard}/{n_shard}: expected 0 <= i < n")
     ops = ops or list(OPS)
     pairs = [(op, p) for op in ops for p in providers_for(op, device)]
     if providers:
@@ -544,6 +561,8 @@ def run(
             break
         op, prov = pairs[idx % len(pairs)]
         case = Case(op, prov, device, master.randrange(2**31))
+        if idx % n_shard != i_shard:
+            continue
         rep.cases += 1
         key = f"{op}/{prov}"
         rep.per_op[key] = rep.per_op.get(key, 0) + 1
@@ -634,6 +653,45 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
     return {"model_repeats": n}
 
 
+def _run_workers(args: argparse.Namespace, argv: list[str]) -> FuzzReport:
+    """``args.workers`` shard processes of this command (without ``--extras`` / ``--json`` /
+    ``--workers``), their reports merged; a shard that dies counts as a failure."""
+    import subprocess
+    import tempfile
+
+    drop = {"--extras", "--json", "--workers"}
+    base, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in a and name != "--extras"
+            continue
+        base.append(a)
+    rep = FuzzReport()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rl_engine_fuzz_") as tmp:
+        procs = []
+        for i in range(args.workers):
+            path = f"{tmp}/shard{i}.json"
+            cmd = [sys.executable, "-m", "rl_engine.testing.fuzz", *base,
+                   "--shard", f"{i}/{args.workers}", "--json", path]  # fmt: skip
+            procs.append((i, path, subprocess.Popen(cmd)))
+        for i, path, proc in procs:
+            proc.wait()
+            try:
+                with open(path) as f:
+                    rep.merge(json.load(f))
+            except (OSError, ValueError) as exc:
+                rep.failures.append({"case": {"shard": f"{i}/{args.workers}"},
+                                     "error": f"shard exited {proc.returncode}: {exc}",
+                                     "reproducer": " ".join(proc.args)})  # fmt: skip
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rl_engine.testing.fuzz", description=__doc__)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
@@ -646,6 +704,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--provider", default=None, help="with --case-seed")
     ap.add_argument("--case-seed", type=int, default=None, help="rerun one case (reproducer)")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="run the cases in this many processes (shards of the same case list; on a GPU they "
+        "share the device: a case is mostly host time and kernel compiles) (default: %(default)s)",
+    )
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # i/n, set by --workers
     ap.add_argument(
         "--extras",
         action="store_true",
@@ -664,16 +730,28 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"ok: {case}")
         return 0
-    rep = run(
-        device=args.device,
-        cases=args.cases,
-        seed=args.seed,
-        ops=args.ops.split(",") if args.ops else None,
-        providers=args.providers.split(",") if args.providers else None,
-        budget=args.budget,
-        progress=True,
-    )
+    if args.workers < 1:
+        ap.error("--workers must be >= 1")
+    if args.workers > 1:
+        rep = _run_workers(args, argv if argv is not None else sys.argv[1:])
+    else:
+        shard = (0, 1)
+        if args.shard:
+            i, n = (int(v) for v in args.shard.split("/"))
+            shard = (i, n)
+        rep = run(
+            device=args.device,
+            cases=args.cases,
+            seed=args.seed,
+            ops=args.ops.split(",") if args.ops else None,
+            providers=args.providers.split(",") if args.providers else None,
+            budget=args.budget,
+            progress=True,
+            shard=shard,
+        )
     out = rep.as_dict()
+    if args.workers > 1:
+        out["workers"] = args.workers
     if args.extras:
         extras: dict[str, Any] = {}
         for name, fn in (("long_inputs", long_inputs), ("model_repeats", model_repeats)):
