@@ -161,7 +161,9 @@ def capture_vllm(llm: Any, ids: list[int]) -> dict[str, torch.Tensor]:
     at every position (vLLM's own LM head path)."""
     from vllm import SamplingParams
 
-    llm.apply_model(_vllm_hook)
+    # through collective_rpc and the worker's model runner (as rl_engine.rl.sync does): the
+    # same call on every vLLM version the plugin supports
+    llm.collective_rpc(_on_model, args=(_vllm_hook,))
     try:
         llm.generate(
             [{"prompt_token_ids": list(ids)}],
@@ -169,8 +171,13 @@ def capture_vllm(llm: Any, ids: list[int]) -> dict[str, torch.Tensor]:
             use_tqdm=False,
         )
     finally:
-        results = llm.apply_model(_vllm_collect)
+        results = llm.collective_rpc(_on_model, args=(_vllm_collect,))
     return results[0]
+
+
+def _on_model(worker: Any, func: Any) -> Any:
+    """Inside a vLLM worker: ``func`` on the model it runs."""
+    return func(worker.model_runner.get_model())
 
 
 def full_vocab_kl(
