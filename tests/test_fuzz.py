@@ -127,6 +127,28 @@ def test_fuzz_regression_det_gemm_fp32_cancelling_output_1439165853():
     fuzz.check_case(fuzz.Case("det_gemm", "triton", "cuda", 1439165853))
 
 
+# The H200 fuzz runs of 2026-11-26 (seeds 1 and 2, 8,051 cases): fused_mul_poly_norm 1-2 ulps off
+# poly_norm(x) * mul; the two kernel specialisations contracted multiply-adds differently. Every
+# poly_norm kernel now runs with fp fusion off. (The seeds draw GPU sizes on CUDA; on the CPU the
+# same seeds draw small cases for the interpreter, a check of the fix's arithmetic there.)
+POLY_NORM_FUSED_SEEDS = [
+    1857442066, 426156987, 2054423442, 494879349, 1830635860, 2127372693, 1713198972, 91298319,
+    1248438611, 1642091200, 1285014604, 497488822, 1021168488, 1361783313, 535322010, 101237197,
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cases are CUDA cases")
+@pytest.mark.parametrize("seed", POLY_NORM_FUSED_SEEDS)
+def test_fuzz_regression_poly_norm_fused_mul_cuda(seed):
+    fuzz.check_case(fuzz.Case("poly_norm", "triton", "cuda", seed))
+
+
+@pytest.mark.parametrize("seed", POLY_NORM_FUSED_SEEDS[:4])
+def test_fuzz_regression_poly_norm_fused_mul_cpu(seed):
+    for prov in fuzz.providers_for("poly_norm", "cpu"):  # triton: in the interpreter suite
+        fuzz.check_case(fuzz.Case("poly_norm", prov, "cpu", seed))
+
+
 def test_fp32_dot_bound_catches_lost_precision():
     """The bound the fp32 det_gemm cases use still fails a GEMM that rounds its inputs to
     bf16 (TF32-like precision loss) and passes the exact-in-float64 product rounded to fp32."""
