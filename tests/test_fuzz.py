@@ -77,6 +77,7 @@ def test_shards_together_are_the_unsharded_run(monkeypatch):
     for i in range(3):
         merged.merge(fuzz.run(**kw, shard=(i, 3)).as_dict())
     assert merged.cases == whole.cases == 9 and merged.per_op == whole.per_op
+    assert fuzz.run(**kw, shard=(0, 3)).per_op == {"det_gemm/native": 2, "ratio_kl/native": 2}
     seeds = sorted(f["case"]["seed"] for f in merged.failures)
     assert seeds and seeds == sorted(f["case"]["seed"] for f in whole.failures)
     with pytest.raises(ValueError, match="shard 3/3"):

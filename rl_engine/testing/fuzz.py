@@ -542,8 +542,9 @@ def run(
     shard: tuple[int, int] = (0, 1),
 ) -> FuzzReport:
     """``cases`` cases round-robin over ``ops`` x their runnable providers (or until ``budget``
-    seconds have passed). ``shard=(i, n)``: only the cases whose index is ``i`` modulo ``n``;
-    the case seeds are those of the unsharded run, so ``n`` shards together are that run."""
+    seconds have passed). ``shard=(i, n)``: only the rounds (one case of every pair) whose
+    number is ``i`` modulo ``n``, so every shard draws every op evenly; the case seeds are those
+    of the unsharded run, so ``n`` shards together are that run."""
     i_shard, n_shard = shard
     if not 0 <= i_shard < n_shard:
         raise ValueError(f"shard {i_shard}/{n_shard}: expected 0 <= i < n")
@@ -561,7 +562,7 @@ def run(
             break
         op, prov = pairs[idx % len(pairs)]
         case = Case(op, prov, device, master.randrange(2**31))
-        if idx % n_shard != i_shard:
+        if (idx // len(pairs)) % n_shard != i_shard:
             continue
         rep.cases += 1
         key = f"{op}/{prov}"
