@@ -184,6 +184,9 @@ def run(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
 
+    from rl_engine.audit.monitor import DriftMonitor
+
+    monitor = DriftMonitor()
     records = []
     for step in range(1, cfg.steps + 1):
         emit({"type": "status", "message": f"step {step}: rollout"})
@@ -210,6 +213,7 @@ def run(
         total_tokens = sum(len(s["tokens"]) for s in seqs)
         opt.zero_grad(set_to_none=True)
         trainer_lp: list[list[float]] = []
+        mon_in: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         loss_sum = 0.0
         pg_min, pg_max, clip_frac = float("inf"), float("-inf"), 0.0
         for i in range(0, n, cfg.micro_batch):
@@ -234,6 +238,7 @@ def run(
             m = out.metrics
             pg_min, pg_max = min(pg_min, float(m.ratio_min)), max(pg_max, float(m.ratio_max))
             clip_frac += float(m.clip_frac) * float(m.num_tokens) / total_tokens
+            mon_in.append((old, logp.detach(), cmask))
             det = logp.detach().cpu()
             trainer_lp += [det[j, : len(s["tokens"])].tolist() for j, s in enumerate(chunk)]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
@@ -243,6 +248,10 @@ def run(
         emit({"type": "status", "message": f"step {step}: weight sync"})
         t_sync = sync.push(export())
         drift = compare([s["logprobs"] for s in seqs], trainer_lp)
+        # the in-training drift metrics (verl / SkyRL / slime / NeMo-RL names: docs/audit.md), on
+        # the trainer's device, one host read for the step
+        roll_t, train_t, mask_t = (torch.cat([m[k].to(device) for m in mon_in]) for k in range(3))
+        monitor_metrics = monitor(roll_t, train_t.float(), mask_t)
         record = {
             "step": step,
             "reward_mean": sum(rew) / len(rew),
@@ -262,6 +271,7 @@ def run(
             "train_seconds": t_train,
             "sync_seconds": t_sync,
             "step_seconds": time.perf_counter() - t_step,
+            "drift": monitor_metrics,
         }
         records.append(record)
         emit({"type": "step", **record})

@@ -56,10 +56,16 @@ def test_grpo_ratio_exactly_one_with_rl_engine_not_stock(tmp_path):
         assert s["bitwise_equal_fraction"] == 1.0, s
         assert s["ratio_min"] == 1.0 and s["ratio_max"] == 1.0, s
         assert s["loss_ratio_min"] == 1.0 and s["loss_ratio_max"] == 1.0, s
+        # the DriftMonitor's metrics, computed in the loop every step, agree
+        d = s["drift"]
+        assert d["bitwise_equal_frac"] == 1.0 and d["abs_diff_max"] == 0.0, d
+        assert d["is_ratio_min"] == 1.0 and d["is_ratio_max"] == 1.0 and d["tokens"] == s["tokens"]
         assert s["kl_k3"] == 0.0 and s["max_abs_delta"] == 0.0, s
     assert {r["op"] for r in rl["provenance"]} >= {"det_gemm", "logp", "linear_logp", "grpo_loss"}
     # the stock engines on the same case: the ratio is not 1
     assert any(s["ratio_min"] != 1.0 or s["ratio_max"] != 1.0 for s in stock["steps"])
+    assert all(s["drift"]["bitwise_equal_frac"] < 1.0 for s in stock["steps"])
+    assert all(s["drift"]["abs_diff_max"] == s["max_abs_delta"] for s in stock["steps"])
     assert stock["summary"]["bitwise_equal_fraction_min"] < 1.0
     # every step moved the weights, and steps 2 and 3 still agree bitwise: the engine serves the
     # trainer's updated weights (a missed sync would show as a ratio != 1)
