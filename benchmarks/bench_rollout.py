@@ -14,7 +14,8 @@ time kept in ``all_seconds``). ``--rounds N`` starts every configuration's engin
 alternating the order (A B, B A, ...): on the lent machines the same engine varied by up to
 +-15% between processes, so one process per configuration can misstate a ratio; a row then
 reports the median over every timed generate of every round, and each round's tokens/s in
-``round_tokens_per_s``. Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
+``round_tokens_per_s``. ``kernels_compiled``: per timed generate, the kernels that appeared in
+the on-disk Triton caches meanwhile (a compile inside a timed run shows there). Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
 start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
 64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
@@ -89,6 +90,22 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     rng = random.Random(0)
     vocab = MODEL["vocab_size"]
 
+    def compiled() -> int:
+        """Kernels in the on-disk Triton caches (rl_engine's kernels and Inductor's), which every
+        process of this engine writes to: a count that grows during a timed generate means a
+        kernel was compiled inside it."""
+        dirs = [os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
+        dirs.append(
+            os.path.join(
+                tempfile.gettempdir(), f"torchinductor_{os.environ.get('USER', '')}", "triton"
+            )
+        )
+        n_found = 0
+        for d in dirs:
+            for _root, _dirs, files in os.walk(d):
+                n_found += sum(f.endswith(".json") and not f.startswith("__grp__") for f in files)
+        return n_found
+
     def run(n: int, tokens: int) -> float:
         prompts = [
             {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(PROMPT_LEN)]}
@@ -108,7 +125,11 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     for n in sizes:
         run(n, 16)  # this batch shape once untimed: one-time JIT specialisations (both stacks)
         # repeated: a host-bound decode moves with the host's load; the median is reported
-        times = [run(n, new_tokens) for _ in range(int(os.environ.get("ROLLOUT_REPEATS", "1")))]
+        times, compiles = [], []
+        for _ in range(int(os.environ.get("ROLLOUT_REPEATS", "1"))):
+            before = compiled()
+            times.append(run(n, new_tokens))
+            compiles.append(compiled() - before)
         dt = statistics.median(times)
         rows.append(
             {
@@ -118,6 +139,9 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
                 "seconds": round(dt, 3),
                 "tokens_per_s": round(n * new_tokens / dt, 1),
                 "all_seconds": [round(t, 3) for t in times],
+                # kernels compiled during each timed generate (should be 0: a non-zero count
+                # explains a slow repeat)
+                "kernels_compiled": compiles,
             }
         )
     res = {"engine_start_s": round(start_s, 1), "rows": rows}
@@ -179,6 +203,9 @@ def _merge_rounds(runs: list[dict]) -> dict:
                 "seconds": round(dt, 3),
                 "tokens_per_s": round(n * tokens / dt, 1),
                 "all_seconds": times,
+                "kernels_compiled": [
+                    c for r in runs for c in r["rows"][i].get("kernels_compiled", [])
+                ],
                 "round_tokens_per_s": [r["rows"][i]["tokens_per_s"] for r in runs],
             }
         )
