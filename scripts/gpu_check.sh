@@ -10,7 +10,7 @@
 #   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480 / FUZZ_WORKERS=1 / FUZZ_SEED=0 /
 #   FUZZ_EXTRAS=1: the invariance fuzzing step (FUZZ_WORKERS processes share the GPU; a
 #   different FUZZ_SEED draws a different case list)
-#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters; BENCHES: names of
+#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters tests/audit/test_drift_monitor.py; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
 # megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
@@ -47,7 +47,7 @@ mkdir -p "$RES"
 
 status=0
 if [ "${SKIP_TESTS:-0}" = "0" ]; then
-  TESTS=${TESTS:-tests/ops tests/invariance tests/adapters}
+  TESTS=${TESTS:-tests/ops tests/invariance tests/adapters tests/audit/test_drift_monitor.py}
   # pytest-xdist (when installed): N processes share the one GPU; compiling Triton kernels is
   # CPU-bound, so this is what keeps the whole suite inside one 10-minute device call
   XDIST=""

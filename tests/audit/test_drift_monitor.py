@@ -293,3 +293,33 @@ def test_metric_names_mapping():
         for f, v in m.items()
         if f == "verl"
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_matches_the_cpu_and_is_batch_invariant():
+    """On CUDA tensors (the registry's GPU ``ratio_kl``): the counts and the bitwise fraction as
+    on the CPU, every metric within float64 rounding of the per-token fp32 terms, and a row's
+    per-sequence metrics alone == in the batch, bitwise."""
+    roll, train, mask = _random(6, 300, seed=3)
+    mon = DriftMonitor()
+    cpu = mon(roll, train, mask)
+    gpu = mon(roll.cuda(), train.cuda(), mask.cuda())
+    assert list(gpu) == list(cpu)
+    for k in ("tokens", "sequences", "bitwise_equal_frac", "abs_diff_max"):
+        assert gpu[k] == cpu[k], k
+    for k, v in cpu.items():
+        if math.isnan(v):
+            assert math.isnan(gpu[k]), k
+        else:
+            assert gpu[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    roll, train, mask = roll.cuda(), train.cuda(), mask.cuda()
+    per_seq = mon.per_sequence(roll, train, mask)
+    for i in range(6):
+        alone = mon.per_sequence(roll[i : i + 1], train[i : i + 1], mask[i : i + 1])
+        for k, v in per_seq.items():
+            assert torch.equal(alone[k], v[i : i + 1]), (i, k)
+        only = torch.zeros_like(mask)
+        only[i] = mask[i]
+        assert _same(
+            mon(roll[i : i + 1], train[i : i + 1], mask[i : i + 1]), mon(roll, train, only)
+        )
