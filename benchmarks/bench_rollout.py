@@ -95,11 +95,9 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
         process of this engine writes to: a count that grows during a timed generate means a
         kernel was compiled inside it."""
         dirs = [os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
-        dirs.append(
-            os.path.join(
-                tempfile.gettempdir(), f"torchinductor_{os.environ.get('USER', '')}", "triton"
-            )
-        )
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        dirs.append(os.path.join(cache_dir(), "triton"))
         n_found = 0
         for d in dirs:
             for _root, _dirs, files in os.walk(d):

@@ -224,9 +224,10 @@ def run(
             old = torch.zeros(len(chunk), width, dtype=torch.float32)
             for j, s in enumerate(chunk):
                 old[j, : len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
+            old = old.to(device)
             out = grpo_loss(
                 logp,
-                old.to(device),
+                old,
                 adv[i : i + len(chunk)],
                 cmask,
                 clip_low=cfg.clip_low,
@@ -250,7 +251,7 @@ def run(
         drift = compare([s["logprobs"] for s in seqs], trainer_lp)
         # the in-training drift metrics (verl / SkyRL / slime / NeMo-RL names: docs/audit.md), on
         # the trainer's device, one host read for the step
-        roll_t, train_t, mask_t = (torch.cat([m[k].to(device) for m in mon_in]) for k in range(3))
+        roll_t, train_t, mask_t = (torch.cat([m[k] for m in mon_in]) for k in range(3))
         monitor_metrics = monitor(roll_t, train_t.float(), mask_t)
         record = {
             "step": step,

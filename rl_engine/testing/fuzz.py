@@ -669,23 +669,17 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
     return {"model_repeats": n}
 
 
-def _run_workers(args: argparse.Namespace, argv: list[str]) -> FuzzReport:
-    """``args.workers`` shard processes of this command (without ``--extras`` / ``--json`` /
-    ``--workers``), their reports merged; a shard that dies counts as a failure."""
+def _run_workers(args: argparse.Namespace) -> FuzzReport:
+    """``args.workers`` shard processes of this run's case list, their reports merged; a shard
+    that dies counts as a failure."""
     import subprocess
     import tempfile
 
-    drop = {"--extras", "--json", "--workers"}
-    base, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in drop:
-            skip = "=" not in a and name != "--extras"
-            continue
-        base.append(a)
+    base = ["--device", args.device, "--cases", str(args.cases), "--seed", str(args.seed)]
+    for flag, value in (("--ops", args.ops), ("--providers", args.providers),
+                        ("--budget", args.budget)):  # fmt: skip
+        if value is not None:
+            base += [flag, str(value)]
     rep = FuzzReport()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rl_engine_fuzz_") as tmp:
@@ -749,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     if args.workers > 1:
-        rep = _run_workers(args, argv if argv is not None else sys.argv[1:])
+        rep = _run_workers(args)
     else:
         shard = (0, 1)
         if args.shard:
