@@ -15,7 +15,11 @@ alternating the order (A B, B A, ...): on the lent machines the same engine vari
 +-15% between processes, so one process per configuration can misstate a ratio; a row then
 reports the median over every timed generate of every round, and each round's tokens/s in
 ``round_tokens_per_s``. ``kernels_compiled``: per timed generate, the kernels that appeared in
-the on-disk Triton caches meanwhile (a compile inside a timed run shows there). Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
+the on-disk Triton caches meanwhile (a compile inside a timed run shows there).
+``--step-times``: the engine's model-runner calls timed inside its process, per timed generate
+(``steps``: call count, the five slowest calls, decode median / p99, the time spent outside
+the worker, GPU clocks before and after), to tell a stall (a few slow calls) from a slower
+device or host (every call slower). Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
 start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
 64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
@@ -66,6 +70,66 @@ BASELINE = (
 )
 
 
+def _install_step_timer(worker) -> bool:
+    """Inside the vLLM worker (``collective_rpc``): time every ``execute_model`` and
+    ``sample_tokens`` call (host wall clock, the step's scheduled token count)."""
+    if getattr(worker, "_bench_steps", None) is not None:
+        return True
+    worker._bench_steps = []
+
+    def wrap(name: str) -> None:
+        orig = getattr(worker, name, None)
+        if orig is None:
+            return
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = orig(*args, **kwargs)
+            so = args[0] if args else None
+            tokens = int(getattr(so, "total_num_scheduled_tokens", -1) or -1)
+            worker._bench_steps.append((name, t, time.perf_counter() - t, tokens))
+            return out
+
+        setattr(worker, name, timed)
+
+    wrap("execute_model")
+    wrap("sample_tokens")
+    return True
+
+
+def _take_step_times(worker) -> list:
+    """Inside the vLLM worker: the calls timed since the last take (and forget them)."""
+    steps, worker._bench_steps = list(worker._bench_steps or []), []
+    return steps
+
+
+def _step_summary(steps: list, wall: float) -> dict:
+    """Where one generate's wall time went, from the worker's timed calls: a stall shows as a
+    few slow calls (a compile, a collection) or as every call slower (the device, the host)."""
+    ex = [s for s in steps if s[0] == "execute_model"]
+    sa = [s for s in steps if s[0] == "sample_tokens"]
+    decode = sorted(s[2] for s in ex if 0 < s[3] <= 512)
+    slow = sorted(steps, key=lambda s: -s[2])[:5]
+    busy = sum(s[2] for s in steps)
+    return {
+        "execute_calls": len(ex),
+        "execute_s": round(sum(s[2] for s in ex), 3),
+        "sample_s": round(sum(s[2] for s in sa), 3),
+        "outside_worker_s": round(wall - busy, 3),  # scheduler, IPC, output processing
+        "decode_median_ms": round(1e3 * statistics.median(decode), 3) if decode else None,
+        "decode_p99_ms": round(1e3 * decode[int(0.99 * (len(decode) - 1))], 3) if decode else None,
+        "slowest": [
+            {
+                "call": s[0],
+                "ms": round(1e3 * s[2], 2),
+                "tokens": s[3],
+                "at_s": round(s[1] - steps[0][1], 3),
+            }
+            for s in slow
+        ],
+    }
+
+
 def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -87,6 +151,9 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
         from rl_engine.adapters import vllm as adapter
 
         adapter.require_routing(llm)
+    step_times = os.environ.get("ROLLOUT_STEP_TIMES") == "1"
+    if step_times:
+        llm.collective_rpc(_install_step_timer)
     rng = random.Random(0)
     vocab = MODEL["vocab_size"]
 
@@ -103,6 +170,21 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
             for _root, _dirs, files in os.walk(d):
                 n_found += sum(f.endswith(".json") and not f.startswith("__grp__") for f in files)
         return n_found
+
+    def clocks() -> dict:
+        """The GPU's SM clock (MHz), power (W) and temperature (C) now (NVML; {} without it)."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return {
+                "sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "power_w": round(pynvml.nvmlDeviceGetPowerUsage(h) / 1e3),
+                "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+            }
+        except Exception:
+            return {}
 
     def run(n: int, tokens: int) -> float:
         prompts = [
@@ -123,11 +205,18 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     for n in sizes:
         run(n, 16)  # this batch shape once untimed: one-time JIT specialisations (both stacks)
         # repeated: a host-bound decode moves with the host's load; the median is reported
-        times, compiles = [], []
+        times, compiles, diag = [], [], []
         for _ in range(int(os.environ.get("ROLLOUT_REPEATS", "1"))):
             before = compiled()
+            if step_times:
+                llm.collective_rpc(_take_step_times)
+                c0 = clocks()
             times.append(run(n, new_tokens))
             compiles.append(compiled() - before)
+            if step_times:
+                steps = llm.collective_rpc(_take_step_times)[0]
+                diag.append({**_step_summary(steps, times[-1]), "clocks_before": c0,
+                             "clocks_after": clocks()})  # fmt: skip
         dt = statistics.median(times)
         rows.append(
             {
@@ -140,6 +229,7 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
                 # kernels compiled during each timed generate (should be 0: a non-zero count
                 # explains a slow repeat)
                 "kernels_compiled": compiles,
+                **({"steps": diag} if step_times else {}),
             }
         )
     res = {"engine_start_s": round(start_s, 1), "rows": rows}
@@ -205,6 +295,11 @@ def _merge_rounds(runs: list[dict]) -> dict:
                     c for r in runs for c in r["rows"][i].get("kernels_compiled", [])
                 ],
                 "round_tokens_per_s": [r["rows"][i]["tokens_per_s"] for r in runs],
+                **(
+                    {"steps": [st for r in runs for st in r["rows"][i]["steps"]]}
+                    if "steps" in row
+                    else {}
+                ),
             }
         )
     merged["rows"] = rows
@@ -246,6 +341,12 @@ def main() -> int:
         p.add_argument("--sizes", default=None, help="concurrent prompts, comma-separated")
         p.add_argument("--new-tokens", type=int, default=None)
         p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables")
+        p.add_argument(
+            "--step-times",
+            action="store_true",
+            help="time every model-runner call in the engine (per timed generate: calls, "
+            "slowest calls, decode median / p99, time outside the worker, GPU clocks)",
+        )
         p.add_argument(
             "--rounds",
             type=int,
@@ -291,6 +392,10 @@ def main() -> int:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env["ROLLOUT_REPEATS"] = str(args.repeats or (1 if args.quick else 3))
+        if args.step_times:
+            env["ROLLOUT_STEP_TIMES"] = "1"
+            # the timer is a function sent to the engine-core process (a bench-only switch)
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         out = work / f"{name}.r{k}.json"
         cmd = [
             sys.executable,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -669,6 +670,17 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
     return {"model_repeats": n}
 
 
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs)."""
+    import torch
+
+    n = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [g.strip() for g in listed.split(",") if g.strip()][:n]
+    return [str(i) for i in range(n)]
+
+
 def _run_workers(args: argparse.Namespace) -> FuzzReport:
     """``args.workers`` shard processes of this run's case list, their reports merged; a shard
     that dies counts as a failure."""
@@ -681,6 +693,7 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
         if value is not None:
             base += [flag, str(value)]
     rep = FuzzReport()
+    gpus = _visible_gpus() if args.device == "cuda" else []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rl_engine_fuzz_") as tmp:
         procs = []
@@ -688,7 +701,10 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
             path = f"{tmp}/shard{i}.json"
             cmd = [sys.executable, "-m", "rl_engine.testing.fuzz", *base,
                    "--shard", f"{i}/{args.workers}", "--json", path]  # fmt: skip
-            procs.append((i, path, subprocess.Popen(cmd)))
+            env = dict(os.environ)
+            if len(gpus) > 1:  # shards dealt round-robin over the visible GPUs
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            procs.append((i, path, subprocess.Popen(cmd, env=env)))
         for i, path, proc in procs:
             proc.wait()
             try:
@@ -719,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="run the cases in this many processes (shards of the same case list; on a GPU they "
-        "share the device: a case is mostly host time and kernel compiles) (default: %(default)s)",
+        "share the device: a case is mostly host time and kernel compiles; with several visible "
+        "GPUs the shards are dealt round-robin over them) (default: %(default)s)",
     )
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # i/n, set by --workers
     ap.add_argument(
@@ -762,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     out = rep.as_dict()
     if args.workers > 1:
         out["workers"] = args.workers
+        if args.device == "cuda":
+            out["gpus"] = len(_visible_gpus())
     if args.extras:
         extras: dict[str, Any] = {}
         for name, fn in (("long_inputs", long_inputs), ("model_repeats", model_repeats)):

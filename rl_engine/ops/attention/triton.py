@@ -748,15 +748,21 @@ def _launch_fwd(
     scale: float,
     causal: bool,
     split_tiles: int = 0,
+    config: AttentionConfig | None = None,
 ) -> None:
     """The forward kernel; with ``split_tiles`` > 0 the split family, and for a paged call with
     few query rows (decode) the split programs + the combine kernel (the same bits as the one
-    pass, more programs in flight)."""
+    pass, more programs in flight). ``config`` replaces the shipped launch (the sweep of
+    ``benchmarks/sweep_attention_fwd.py``; its ``block_n`` must be the shipped one)."""
     t, hq, d = q.shape
     paged = k.dim() == 4
     hkv = k.shape[-2]
     g = hq // hkv
     cfg = get_config(d)
+    if config is not None:
+        if config.block_n != cfg.block_n:
+            raise ValueError(f"attention[triton]: block_n is numerics ({cfg.block_n} here)")
+        cfg = config
     num_seqs = cu_q.shape[0] - 1
     if t == 0 or num_seqs == 0:
         return

@@ -1,0 +1,182 @@
+"""Sweep of launch configurations for the Triton attention forward (prefill and paged decode).
+
+Usage: ``python3 benchmarks/sweep_attention_fwd.py --out DIR [--quick]``.
+
+The forward's numerics are its KV tile (``block_n``, aligned to position 0) and the order of the
+tiles; the row tile (``block_m``), warps and pipeline stages are a launch choice that must not
+change a bit: a row's online softmax visits the same KV tiles in the same order whatever rows
+share its program (tiles past a row's causal end are fully masked and add exact zeros). This
+script checks that on every candidate (``torch.equal`` of the output, and of the log-sum-exp in
+prefill, against the shipped launch) and times it:
+
+* prefill, causal varlen, bf16, head dim 128: 1 x 4096 tokens (32 / 8 heads), 2 x 4096 (16 / 8),
+  1 x 16384 (32 / 8); SDPA (flash) forward on the same tensors for reference;
+* decode: 64 sequences x 4096 context, pages of 16 (scattered), one query token each (32 / 8),
+  reported as KV bandwidth.
+
+Prints each candidate and the best per case, and writes ``DIR/attention_fwd_sweep.json``. A
+candidate that changes a bit is reported and never ranked. To ship one, edit ``_CONFIGS`` (or
+the decode launch) in ``rl_engine/ops/attention/triton.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+from rl_engine.ops.attention import triton as at  # noqa: E402
+
+Cfg = at.AttentionConfig
+D = 128
+PREFILL = [(1, 4096, 32, 8), (2, 4096, 16, 8), (1, 16384, 32, 8)]  # (batch, seq, Hq, Hkv)
+DECODE = (64, 4096, 16, 32, 8)  # (sequences, context, page, Hq, Hkv)
+
+
+def candidates(decode: bool, quick: bool) -> list[Cfg]:
+    shipped = at.get_config(D)
+    rows = (16, 32, 64) if decode else (64, 128)
+    warps = (4, 8)
+    stages = (1, 2, 3, 4) if not quick else (1, 3)
+    out = [shipped]
+    for bm, w, st in itertools.product(rows, warps, stages):
+        c = Cfg(bm, shipped.block_n, w, st)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _prefill_inputs(b: int, s: int, hq: int, hkv: int) -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t = b * s
+    q = torch.randn(t, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+    return dict(q=q, k=k, v=v, cu=cu, b=b, s=s)
+
+
+def _prefill(x: dict[str, Any], cfg: Cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x["q"])
+    lse = torch.empty(x["q"].shape[:2], dtype=torch.float32, device="cuda")
+    at._launch_fwd(x["q"], x["k"], x["v"], out, lse, x["cu"], None, None, D**-0.5, True, config=cfg)
+    return out, lse
+
+
+def _decode_inputs() -> dict[str, Any]:
+    n, ctx, bs, hq, hkv = DECODE
+    pages = ctx // bs
+    gen = torch.Generator().manual_seed(0)
+    bt = torch.randperm(n * pages, generator=gen).view(n, pages).to("cuda", torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc = torch.randn(n * pages, bs, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(n * pages, bs, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(n, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((n,), ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(n + 1, device="cuda", dtype=torch.int32)
+    return dict(q=q, k=kc, v=vc, bt=bt, lens=lens, qsl=qsl)
+
+
+def _decode(x: dict[str, Any], cfg: Cfg) -> tuple[torch.Tensor]:
+    out = torch.zeros_like(x["q"])
+    at._launch_fwd(
+        x["q"], x["k"], x["v"], out, None, x["qsl"], x["lens"], x["bt"], D**-0.5, True, config=cfg
+    )
+    return (out,)
+
+
+def _sdpa_fwd_us(x: dict[str, Any], quick: bool) -> float:
+    import torch.nn.functional as F
+
+    b, s = x["b"], x["s"]
+
+    def lay(t):
+        return t.view(b, s, t.shape[1], D).transpose(1, 2)
+
+    q, k, v = lay(x["q"]), lay(x["k"]), lay(x["v"])
+    return common.bench(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        quick=quick,
+    )
+
+
+def _sweep(name: str, run, cands: list[Cfg], quick: bool, work: float, unit: str) -> dict:
+    """Every candidate: bitwise vs the shipped launch, run twice, timed; ``work`` / time in
+    ``unit`` (TFLOP/s or TB/s)."""
+    ref = run(cands[0])
+    rows = []
+    for c in cands:
+        row: dict[str, Any] = {**dataclasses.asdict(c)}
+        try:
+            got, again = run(c), run(c)
+            row["bitwise_vs_shipped"] = all(torch.equal(a, r) for a, r in zip(got, ref))
+            row["deterministic"] = all(torch.equal(a, b) for a, b in zip(got, again))
+            us = common.bench(functools.partial(run, c), quick=quick)
+            row["us"] = us
+            row[unit] = work / (us * 1e-6) / 1e12
+        except Exception as exc:  # noqa: BLE001 - a launch that does not compile / fit
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
+              flush=True)  # fmt: skip
+    ok = [r for r in rows if r.get("bitwise_vs_shipped") and r.get("deterministic")]
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    return {"case": name, "rows": rows, "best": best, "shipped": rows[0]}
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("sweep_attention_fwd.py needs a CUDA device; nothing measured")
+        return
+    report: dict[str, Any] = {"cases": []}
+    for b, s, hq, hkv in PREFILL:
+        x = _prefill_inputs(b, s, hq, hkv)
+        flop = 4 * D * b * hq * s * s / 2  # QK^T and PV, causal half
+        res = _sweep(
+            f"prefill {b}x{s} {hq}/{hkv}",
+            functools.partial(_prefill, x),
+            candidates(False, args.quick),
+            args.quick,
+            flop,
+            "tflop_s",
+        )
+        res["sdpa_fwd_us"] = _sdpa_fwd_us(x, args.quick)
+        report["cases"].append(res)
+        del x
+    x = _decode_inputs()
+    n, ctx, _, _, hkv = DECODE
+    kv_bytes = 2 * n * ctx * hkv * D * 2
+    report["cases"].append(
+        _sweep(
+            f"decode {n}x{ctx}",
+            functools.partial(_decode, x),
+            candidates(True, args.quick),
+            args.quick,
+            kv_bytes,
+            "tb_s",
+        )
+    )
+    for c in report["cases"]:
+        best, shipped = c["best"], c["shipped"]
+        extra = f", SDPA {c['sdpa_fwd_us']:.1f} us" if "sdpa_fwd_us" in c else ""
+        print(
+            f"{c['case']}: shipped {shipped.get('us', float('nan')):.1f} us, best "
+            f"{best and {k: best[k] for k in ('block_m', 'num_warps', 'num_stages', 'us')}}{extra}",
+            flush=True,
+        )
+    common.write_json(args.out, "attention_fwd_sweep", report)
+
+
+if __name__ == "__main__":
+    main()
