@@ -14,13 +14,13 @@ time kept in ``all_seconds``). ``--rounds N`` starts every configuration's engin
 alternating the order (A B, B A, ...): on the lent machines the same engine varied by up to
 +-15% between processes, so one process per configuration can misstate a ratio; a row then
 reports the median over every timed generate of every round, and each round's tokens/s in
-``round_tokens_per_s``. ``kernels_compiled``: per timed generate, the kernels that appeared in
-the on-disk Triton caches meanwhile (a compile inside a timed run shows there).
+``round_tokens_per_s``.
 ``--step-times``: the engine's model-runner calls timed inside its process, per timed generate
 (``steps``: call count, the five slowest calls, decode median / p99, the time spent outside
-the worker, GPU clocks before and after), to tell a stall (a few slow calls) from a slower
-device or host (every call slower). Writes ``<out>/rollout.json`` (tokens/s, ratios vs stock,
-start-up seconds, versions) and prints a table. ``--profile DIR``: each configuration also runs
+the worker, the Triton kernels compiled or loaded meanwhile, GPU clocks before and after), to
+tell a stall (a few slow calls) from a slower device or host (every call slower). Writes
+``<out>/rollout.json`` (tokens/s, ratios vs stock, start-up seconds, versions) and prints a
+table. ``--profile DIR``: each configuration also runs
 64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
 
@@ -94,18 +94,39 @@ def _install_step_timer(worker) -> bool:
 
     wrap("execute_model")
     wrap("sample_tokens")
+    # Triton kernels compiled or loaded in this process (a new specialization of a kernel):
+    # inside a timed generate that is a stall of its own
+    worker._bench_compiles = []
+    try:
+        from triton import knobs
+
+        prev = knobs.runtime.jit_post_compile_hook
+
+        def on_compile(*args, **kwargs):
+            fn = kwargs.get("fn")  # Triton's JitFunctionInfo (.name)
+            name = getattr(fn, "name", None) or getattr(fn, "__name__", "?")
+            worker._bench_compiles.append((time.perf_counter(), name))
+            return prev(*args, **kwargs) if prev is not None else None
+
+        knobs.runtime.jit_post_compile_hook = on_compile
+    except (ImportError, AttributeError):  # a Triton without the hook: no count
+        worker._bench_compiles = None
     return True
 
 
 def _take_step_times(worker) -> list:
     """Inside the vLLM worker: the calls timed since the last take (and forget them)."""
     steps, worker._bench_steps = list(worker._bench_steps or []), []
-    return steps
+    compiles = worker._bench_compiles
+    if compiles is not None:
+        compiles, worker._bench_compiles = list(compiles), []
+    return {"steps": steps, "compiles": compiles}
 
 
-def _step_summary(steps: list, wall: float) -> dict:
+def _step_summary(taken: dict, wall: float) -> dict:
     """Where one generate's wall time went, from the worker's timed calls: a stall shows as a
     few slow calls (a compile, a collection) or as every call slower (the device, the host)."""
+    steps, compiles = taken["steps"], taken["compiles"]
     ex = [s for s in steps if s[0] == "execute_model"]
     sa = [s for s in steps if s[0] == "sample_tokens"]
     decode = sorted(s[2] for s in ex if 0 < s[3] <= 512)
@@ -118,6 +139,9 @@ def _step_summary(steps: list, wall: float) -> dict:
         "outside_worker_s": round(wall - busy, 3),  # scheduler, IPC, output processing
         "decode_median_ms": round(1e3 * statistics.median(decode), 3) if decode else None,
         "decode_p99_ms": round(1e3 * decode[int(0.99 * (len(decode) - 1))], 3) if decode else None,
+        # Triton kernels compiled / loaded during the generate (None: not countable)
+        "kernels_compiled": None if compiles is None else len(compiles),
+        "compiled_names": None if compiles is None else sorted({c[1] for c in compiles}),
         "slowest": [
             {
                 "call": s[0],
@@ -157,20 +181,6 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     rng = random.Random(0)
     vocab = MODEL["vocab_size"]
 
-    def compiled() -> int:
-        """Kernels in the on-disk Triton caches (rl_engine's kernels and Inductor's), which every
-        process of this engine writes to: a count that grows during a timed generate means a
-        kernel was compiled inside it."""
-        dirs = [os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        dirs.append(os.path.join(cache_dir(), "triton"))
-        n_found = 0
-        for d in dirs:
-            for _root, _dirs, files in os.walk(d):
-                n_found += sum(f.endswith(".json") and not f.startswith("__grp__") for f in files)
-        return n_found
-
     def clocks() -> dict:
         """The GPU's SM clock (MHz), power (W) and temperature (C) now (NVML; {} without it)."""
         try:
@@ -205,17 +215,15 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     for n in sizes:
         run(n, 16)  # this batch shape once untimed: one-time JIT specialisations (both stacks)
         # repeated: a host-bound decode moves with the host's load; the median is reported
-        times, compiles, diag = [], [], []
+        times, diag = [], []
         for _ in range(int(os.environ.get("ROLLOUT_REPEATS", "1"))):
-            before = compiled()
             if step_times:
                 llm.collective_rpc(_take_step_times)
                 c0 = clocks()
             times.append(run(n, new_tokens))
-            compiles.append(compiled() - before)
             if step_times:
-                steps = llm.collective_rpc(_take_step_times)[0]
-                diag.append({**_step_summary(steps, times[-1]), "clocks_before": c0,
+                taken = llm.collective_rpc(_take_step_times)[0]
+                diag.append({**_step_summary(taken, times[-1]), "clocks_before": c0,
                              "clocks_after": clocks()})  # fmt: skip
         dt = statistics.median(times)
         rows.append(
@@ -226,9 +234,6 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
                 "seconds": round(dt, 3),
                 "tokens_per_s": round(n * new_tokens / dt, 1),
                 "all_seconds": [round(t, 3) for t in times],
-                # kernels compiled during each timed generate (should be 0: a non-zero count
-                # explains a slow repeat)
-                "kernels_compiled": compiles,
                 **({"steps": diag} if step_times else {}),
             }
         )
@@ -291,9 +296,6 @@ def _merge_rounds(runs: list[dict]) -> dict:
                 "seconds": round(dt, 3),
                 "tokens_per_s": round(n * tokens / dt, 1),
                 "all_seconds": times,
-                "kernels_compiled": [
-                    c for r in runs for c in r["rows"][i].get("kernels_compiled", [])
-                ],
                 "round_tokens_per_s": [r["rows"][i]["tokens_per_s"] for r in runs],
                 **(
                     {"steps": [st for r in runs for st in r["rows"][i]["steps"]]}

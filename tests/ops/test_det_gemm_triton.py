@@ -455,6 +455,34 @@ def test_gpu_compile_and_cuda_graph():
     assert_bitwise(grads[0], grads[1], "compiled backward dW run-to-run")
 
 
+def _compiled_kernels(fn) -> int:
+    """Kernels Triton has compiled (or loaded) for ``fn`` in this process, every device."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel caches to count")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@gpu
+def test_gpu_new_row_counts_compile_nothing():
+    """A new row count inside one config bucket reuses the compiled kernel. The persistent TMA
+    kernel once took its program count (min(SMs, tiles)) as a constexpr: every new small M
+    compiled a kernel, ~2 s inside a vLLM prefill step (found by bench_rollout --step-times)."""
+    dtype = torch.bfloat16
+    k, n = 2048, 2048
+    rows = [528, 560, 592, 624, 656, 688, 720]  # multiples of 16: one specialization of M
+    cfgs = {gemm_config.get_config(m, n, k, dtype) for m in rows}
+    assert len(cfgs) == 1, "the rows must share a config bucket"
+    b = _rand(k, n, dtype=dtype, scale=k**-0.5)
+    det_gemm(_rand(rows[0], k, dtype=dtype), b, backend="triton")
+    torch.cuda.synchronize()
+    kernels = (gemm_triton._det_gemm_tma_kernel, gemm_triton._det_gemm_fwd_kernel)
+    before = [_compiled_kernels(f) for f in kernels]
+    outs = [det_gemm(_rand(m, k, dtype=dtype), b, backend="triton") for m in rows[1:]]
+    torch.cuda.synchronize()
+    assert [_compiled_kernels(f) for f in kernels] == before, [o.shape for o in outs]
+
+
 @gpu
 def test_gpu_errors_on_cuda_tensors():
     """CUDA inputs take the short validity check; what it rejects still raises the full

@@ -286,6 +286,7 @@ if triton is not None:
         K,
         stride_cm,
         stride_cn,
+        num_progs,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -296,12 +297,13 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         A_MMAJOR: tl.constexpr,
         B_KMAJOR: tl.constexpr,
-        NUM_PROGS: tl.constexpr,
     ):
         # Persistent variant (Hopper): TMA tile loads, tiles visited in the grouped order. Each
         # tile is computed exactly as in _det_gemm_fwd_kernel (K chunks, each in order into a
         # fresh fp32 partial, partials added in order; the TMA zero-fills the K tail), so the
-        # bits are the same; NUM_PROGS only says how many programs share the tiles. A may be
+        # bits are the same; num_progs only says how many programs share the tiles (a runtime
+        # argument: as a constexpr every new tile count below the SM count, i.e. every new
+        # small M, compiled a kernel inside a rollout step or a training step). A may be
         # stored K-contiguous ([M, K]) or M-contiguous (A_MMAJOR: the descriptor is over [K, M]),
         # B N-contiguous ([K, N]) or K-contiguous (B_KMAJOR: over [N, K]).
         start = tl.program_id(0)
@@ -315,7 +317,7 @@ if triton is not None:
             # to ws[chunk], which _det_gemm_combine_kernel adds in chunk order (bias there).
             n_chunks = tl.cdiv(k_tiles, KC_TILES)
             zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for item in tl.range(start, num_tiles * n_chunks, NUM_PROGS, flatten=True):
+            for item in tl.range(start, num_tiles * n_chunks, num_progs, flatten=True):
                 chunk = item // num_tiles
                 pid_m, pid_n = _grouped_tile(item % num_tiles, num_pid_m, num_pid_n, GROUP_M)
                 off_m = pid_m * BLOCK_M
@@ -335,19 +337,19 @@ if triton is not None:
             _tma_tiles(
                 a_desc, b_desc, bias_ptr, c_ptr, M, N, stride_cm, stride_cn, start, num_tiles,
                 num_pid_m, num_pid_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, KC_TILES,
-                MULTI_CHUNK, HAS_BIAS, A_MMAJOR, B_KMAJOR, NUM_PROGS,
+                num_progs, MULTI_CHUNK, HAS_BIAS, A_MMAJOR, B_KMAJOR,
             )  # fmt: skip
 
     @triton.jit
     def _tma_tiles(
         a_desc, b_desc, bias_ptr, c_ptr, M, N, stride_cm, stride_cn, start, num_tiles,
         num_pid_m, num_pid_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, KC_TILES: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, KC_TILES: tl.constexpr, num_progs,
         MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, A_MMAJOR: tl.constexpr,
-        B_KMAJOR: tl.constexpr, NUM_PROGS: tl.constexpr,
+        B_KMAJOR: tl.constexpr,
     ):  # fmt: skip
         """The in-register plan of _det_gemm_tma_kernel: each tile walks all its K chunks."""
-        for tile in tl.range(start, num_tiles, NUM_PROGS, flatten=not MULTI_CHUNK):
+        for tile in tl.range(start, num_tiles, num_progs, flatten=not MULTI_CHUNK):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -594,7 +596,7 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
     main = _tr.Prepared(
         _tr.launcher(_det_gemm_tma_kernel, a.device),
         (progs,),
-        (m, n, k, out.stride(0), out.stride(1)),
+        (m, n, k, out.stride(0), out.stride(1), progs),
         dict(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
@@ -606,7 +608,6 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
             HAS_BIAS=has_bias,
             A_MMAJOR=a_t,
             B_KMAJOR=b_t,
-            NUM_PROGS=progs,
             num_warps=num_warps,
             num_stages=num_stages,
         ),
