@@ -67,13 +67,15 @@ SPLIT_PARTIAL_BYTES = 256 * 2**20
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Launch configuration. ``block_n`` is numerics (a function of the head dim only); the
-    rest is a launch choice that changes no bit: a row's online softmax visits the same KV
-    tiles in the same order whichever rows share its program (tiles past a row's causal end
-    are fully masked and leave its state exactly as it was), so the decode launch below may
-    use other row tiles, warps and stages than prefill. ``benchmarks/sweep_attention_fwd.py``
-    checks every candidate bitwise against the shipped launch; the tests and the fuzzer check
-    decode == prefill across the two."""
+    """Launch configuration; a function of the head dim only (part of the numerics).
+
+    Not only ``block_n`` (the KV tile): the row tile and the warps set the register layout of
+    the score tile, hence the order of the row sums of the online softmax. A 16-row, 8-warp
+    launch for decode-shaped calls (1.4x the KV bandwidth of this one at 64 x 4k) gave the
+    same bits as this launch on full 4k contexts (``benchmarks/sweep_attention_fwd.py``) but
+    not on chunked prefill of short ones (1 ulp on 10 of 2.6M outputs, the GPU test
+    ``test_gpu_llama_shape_paths_and_numerics``); it is not used. Only the pipeline depth
+    changes no bit (the same operations, scheduled earlier)."""
 
     block_m: int  # rows (query token x group head) per program
     block_n: int  # KV tile (positions), aligned to absolute position 0
@@ -84,24 +86,14 @@ class AttentionConfig:
 # Checked-in table, keyed by the padded head dim. Nothing here depends on the token count.
 # Head dim 128: 3 pipeline stages (sweep on an H200, results/h200/attention_fwd_sweep.json):
 # 642 / 629 / 8,772 us against 682 / 677 / 9,286 us with 2 stages at 1 x 4k (32 / 8 heads),
-# 2 x 4k (16 / 8), 1 x 16k (32 / 8); bitwise the same outputs and log-sum-exps.
+# 2 x 4k (16 / 8), 1 x 16k (32 / 8), and 474 against 488 us for decode at 64 x 4k; bitwise the
+# same outputs and log-sum-exps as 2 stages in all four.
 _CONFIGS = {
     16: AttentionConfig(64, 64, 4, 2),
     32: AttentionConfig(64, 64, 4, 2),
     64: AttentionConfig(64, 64, 4, 2),
     128: AttentionConfig(64, 64, 4, 3),
     256: AttentionConfig(64, 32, 8, 1),
-}
-
-# Decode-shaped paged calls (the query rows of an average sequence fit one 16-row tile: one
-# token x up to 16 group heads): 16-row programs. A 64-row tile there computes mostly padding
-# and holds the registers and shared memory that would keep more programs in flight. Same
-# sweep, 64 sequences x 4k context, pages of 16, 32 / 8 heads: 16 rows, 8 warps, 3 stages
-# 352 us (3.05 TB/s of KV) against 488 us with the prefill launch; bitwise the same.
-_DECODE_ROWS = 16
-_DECODE_CONFIGS = {
-    64: AttentionConfig(16, 64, 8, 3),
-    128: AttentionConfig(16, 64, 8, 3),
 }
 
 
@@ -772,20 +764,18 @@ def _launch_fwd(
 ) -> None:
     """The forward kernel; with ``split_tiles`` > 0 the split family, and for a paged call with
     few query rows (decode) the split programs + the combine kernel (the same bits as the one
-    pass, more programs in flight). ``config`` replaces the shipped launch (the sweep of
-    ``benchmarks/sweep_attention_fwd.py``; its ``block_n`` must be the shipped one)."""
+    pass, more programs in flight). ``config`` replaces the shipped launch: for
+    ``benchmarks/sweep_attention_fwd.py`` only, which checks each candidate's bits."""
     t, hq, d = q.shape
     paged = k.dim() == 4
     hkv = k.shape[-2]
     g = hq // hkv
     num_seqs = cu_q.shape[0] - 1
     cfg = get_config(d)
-    if config is not None:
+    if config is not None:  # the sweep's candidates (it checks their bits against cfg's)
         if config.block_n != cfg.block_n:
             raise ValueError(f"attention[triton]: block_n is numerics ({cfg.block_n} here)")
         cfg = config
-    elif paged and t * g <= num_seqs * _DECODE_ROWS:  # shapes only (CUDA-graph friendly)
-        cfg = _DECODE_CONFIGS.get(_block_d(d), cfg)
     if t == 0 or num_seqs == 0:
         return
     grid = (t * g // cfg.block_m + num_seqs, hkv)

@@ -274,7 +274,11 @@ if triton is not None:
             mask=mask,
         )
 
-    @triton.jit
+    # M and the program count are runtime values that Triton must not specialize (on == 1 or
+    # divisibility by 16): each variant is a compile, and a new row count inside a rollout or
+    # training step must never wait for one (the TMA descriptors bound the tiles, no kernel
+    # code depends on M's divisibility).
+    @triton.jit(do_not_specialize=["M", "num_progs"])
     def _det_gemm_tma_kernel(
         a_desc,
         b_desc,
