@@ -160,3 +160,59 @@ def test_fp32_dot_bound_catches_lost_precision():
     lossy = a.bfloat16().double() @ b.bfloat16().double()
     with pytest.raises(AssertionError, match="outside the fp32 dot-product bound"):
         fuzz._check_fp32_dot_bound(lossy.float(), a, b, None, want, "lossy")
+
+
+def test_oom_is_retried_alone_and_other_errors_are_not(monkeypatch, tmp_path):
+    """Shards sharing a GPU: a case that ran out of memory (also a Triton launch's
+    ``RuntimeError: ... out of memory``) runs again, holding the shards' lock exclusively; any
+    other error stands at once."""
+    monkeypatch.setenv(fuzz._LOCK_ENV, str(tmp_path / "gpu0.lock"))
+    monkeypatch.setattr(fuzz, "_SHARD_LOCK", None)
+    calls = []
+
+    def flaky(case, big=None):
+        calls.append(case.seed)
+        if len(calls) == 1:
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
+
+    monkeypatch.setattr(fuzz, "check_case", flaky)
+    case = fuzz.Case("det_gemm", "native", "cuda", 7)
+    fuzz._check_with_oom_retry(case, None)
+    assert calls == [7, 7]
+
+    def broken(case, big=None):
+        calls.append(case.seed)
+        raise AssertionError("not bitwise equal")
+
+    monkeypatch.setattr(fuzz, "check_case", broken)
+    calls.clear()
+    with pytest.raises(AssertionError):
+        fuzz._check_with_oom_retry(case, None)
+    assert calls == [7]
+    assert fuzz._is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not fuzz._is_oom(RuntimeError("shape mismatch"))
+
+
+def test_a_retry_waits_for_the_running_cases(tmp_path, monkeypatch):
+    """The exclusive retry starts only after a case holding the shared lock in another process
+    has finished."""
+    import subprocess
+    import sys
+    import time
+
+    lock = str(tmp_path / "gpu0.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, time\n"
+         f"os.environ['{fuzz._LOCK_ENV}'] = {lock!r}\n"
+         "from rl_engine.testing import fuzz\n"
+         "fuzz._ShardLock().run(lambda: (print('in', flush=True), time.sleep(1.5)), alone=False)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "in"  # the other shard's case is running
+    monkeypatch.setenv(fuzz._LOCK_ENV, lock)
+    t0 = time.perf_counter()
+    fuzz._ShardLock().run(lambda: None, alone=True)
+    waited = time.perf_counter() - t0
+    holder.wait(timeout=30)
+    assert waited > 0.5, waited

@@ -589,19 +589,72 @@ def run(
     return rep
 
 
-def _check_with_oom_retry(case: Case, big: bool | None, tries: int = 4) -> None:
+_LOCK_ENV = "RL_ENGINE_FUZZ_LOCK"  # set by --workers: a file the shards of one run share
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error, from torch or from a Triton launch."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+    )
+
+
+class _ShardLock:
+    """Shards of one ``--workers`` run share the GPU's memory. Every case runs holding a shared
+    lock; a case that ran out of memory (the memory was its neighbours') runs again holding it
+    exclusively, so alone on the GPU. A turnstile in front keeps new cases from starting while
+    a retry waits for the running ones to finish. Without ``RL_ENGINE_FUZZ_LOCK`` (one
+    process) both are no-ops."""
+
+    def __init__(self) -> None:
+        path = os.environ.get(_LOCK_ENV)
+        self._fds = None
+        if path:
+            self._fds = (os.open(path + ".gate", os.O_CREAT | os.O_RDWR),
+                         os.open(path, os.O_CREAT | os.O_RDWR))  # fmt: skip
+
+    def run(self, fn: Callable[[], None], *, alone: bool) -> None:
+        if self._fds is None:
+            fn()
+            return
+        import fcntl
+
+        gate, main = self._fds
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            fn()
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what this case cached is free for the next one
+            fcntl.flock(main, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+_SHARD_LOCK: _ShardLock | None = None
+
+
+def _check_with_oom_retry(case: Case, big: bool | None, tries: int = 3) -> None:
     """:func:`check_case`; on a CUDA out-of-memory error (``--workers`` shards share the GPU: the
     memory was the neighbours', not the case's) the cached blocks are freed and the case runs
-    again after a pause, up to ``tries`` times; the last error stands."""
+    again, alone on the GPU when shards share it (:class:`_ShardLock`), up to ``tries`` times;
+    the last error stands."""
+    global _SHARD_LOCK
+    if _SHARD_LOCK is None:
+        _SHARD_LOCK = _ShardLock()
     for attempt in range(tries):
         try:
-            check_case(case, big=big)
+            _SHARD_LOCK.run(lambda: check_case(case, big=big), alone=attempt > 0)
             return
-        except torch.OutOfMemoryError:
-            if case.device == "cpu" or attempt == tries - 1:
+        except Exception as exc:
+            if case.device == "cpu" or attempt == tries - 1 or not _is_oom(exc):
                 raise
             torch.cuda.empty_cache()
-            time.sleep(5.0 * (attempt + 1))
 
 
 def long_inputs(device: str) -> dict[str, Any]:
@@ -702,8 +755,10 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
             cmd = [sys.executable, "-m", "rl_engine.testing.fuzz", *base,
                    "--shard", f"{i}/{args.workers}", "--json", path]  # fmt: skip
             env = dict(os.environ)
+            gpu = gpus[i % len(gpus)] if gpus else "cpu"
             if len(gpus) > 1:  # shards dealt round-robin over the visible GPUs
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            env[_LOCK_ENV] = f"{tmp}/gpu{gpu}.lock"  # one lock per device its shards share
             procs.append((i, path, subprocess.Popen(cmd, env=env)))
         for i, path, proc in procs:
             proc.wait()
