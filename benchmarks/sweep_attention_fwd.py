@@ -2,21 +2,24 @@
 
 Usage: ``python3 benchmarks/sweep_attention_fwd.py --out DIR [--quick]``.
 
-The forward's numerics are its KV tile (``block_n``, aligned to position 0) and the order of the
-tiles; the row tile (``block_m``), warps and pipeline stages are a launch choice that must not
-change a bit: a row's online softmax visits the same KV tiles in the same order whatever rows
-share its program (tiles past a row's causal end are fully masked and add exact zeros). This
-script checks that on every candidate (``torch.equal`` of the output, and of the log-sum-exp in
-prefill, against the shipped launch) and times it:
+The forward's numerics are its KV tile (``block_n``, aligned to position 0), the order of the
+tiles, and the register layout of the score tile that the row tile (``block_m``) and the warp
+count set (the order of the softmax row sums); the pipeline depth is free. This script checks
+every candidate against the shipped launch (``torch.equal`` of the output, and of the
+log-sum-exp in prefill) and times it. Equal bits on these shapes do not make a launch safe to
+mix with the shipped one (a 16-row decode launch equal here differed by 1 ulp on chunked
+prefill of short sequences: ``docs/operators/attention.md``); only the pipeline depth may
+change without a new numerics family.
 
 * prefill, causal varlen, bf16, head dim 128: 1 x 4096 tokens (32 / 8 heads), 2 x 4096 (16 / 8),
-  1 x 16384 (32 / 8); SDPA (flash) forward on the same tensors for reference;
+  1 x 16384 (32 / 8); SDPA's forward on the same tensors for reference (its default backend,
+  cuDNN where torch picks it: ``bench_attention.py`` is the flash-only comparison);
 * decode: 64 sequences x 4096 context, pages of 16 (scattered), one query token each (32 / 8),
   reported as KV bandwidth.
 
 Prints each candidate and the best per case, and writes ``DIR/attention_fwd_sweep.json``. A
-candidate that changes a bit is reported and never ranked. To ship one, edit ``_CONFIGS`` (or
-the decode launch) in ``rl_engine/ops/attention/triton.py``.
+candidate that changes a bit is reported and never ranked. To ship one, edit ``_CONFIGS`` in
+``rl_engine/ops/attention/triton.py``.
 """
 
 from __future__ import annotations
