@@ -229,3 +229,27 @@ def test_exchange_built_on_first_use():
     finally:
         tpm._BUILDERS.pop("test-prefix:", None)
         tpm._EXCHANGES.pop("test-prefix:g0", None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 8B shapes: a GPU")
+@pytest.mark.parametrize("tp", DEGREES)
+@pytest.mark.parametrize(
+    "k,n", [(4096, 4096), (14336, 4096)], ids=["llama3-8b.o_proj", "llama3-8b.down_proj"]
+)
+def test_gpu_8b_shapes_shards_equal_tp1(k, n, tp):
+    """Issue 18's one-device check at the Llama-3-8B row-parallel shapes, bf16, Triton provider:
+    each rank's shard of the reduction (its 8 / tp groups) computed alone and the shards combined
+    in rank order give the TP = 1 bits; a slice of the rows gives its rows' bits."""
+    dev = _triton_or_skip()
+    a, w, bias = (t.to(dev) for t in _data(256, k, n, torch.bfloat16, seed=11))
+    full = tpm.det_gemm_tp(a, w.t(), bias, backend="triton")
+    step = k // tp
+    subs = [
+        tpm.subtree(a[:, r * step : (r + 1) * step], w.t()[r * step : (r + 1) * step], 8 // tp,
+                    backend="triton")
+        for r in range(tp)
+    ]  # fmt: skip
+    assert torch.equal(tpm.finish(tpm.combine(subs), bias, a.dtype), full)
+    assert torch.equal(tpm.det_gemm_tp(a[5:22], w.t(), bias, backend="triton"), full[5:22])
+    # the plain det_gemm reduction is another order: the grouping is what makes the shards agree
+    assert not torch.equal(det_gemm(a, w.t(), bias, backend="triton"), full)
