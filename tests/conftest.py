@@ -32,3 +32,47 @@ def interpreter_on() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# The Triton providers' test modules: on a CUDA device they run on the GPU, on the CPU in the
+# Triton interpreter (TRITON_INTERPRET=1) or not at all. The interpreter computes bf16 dots
+# wrongly (PLATFORMS.md): fp32 / fp16 there, bf16 on the GPU.
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu = requires_cuda
+TRITON_DTYPES = (
+    [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+)
+
+
+def triton_runnable(provider_module) -> bool:
+    """Whether the Triton provider in ``provider_module`` (its ``triton`` is ``None`` without
+    Triton) can run here: a GPU, or the interpreter."""
+    return (ON_GPU or interpreter_on()) and provider_module.triton is not None
+
+
+def skip_unless_triton(provider_module):
+    """Skip unless :func:`triton_runnable`."""
+    return pytest.mark.skipif(
+        not triton_runnable(provider_module),
+        reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter",
+    )
+
+
+def backend_fixture(op: str, device: str = "cpu"):
+    """A ``backend`` fixture over ``op``'s invariant providers on ``device``; a provider that is
+    registered but cannot run here (Triton without the interpreter) skips with its reason.
+
+    In a test module: ``backend = backend_fixture("rms_norm")``."""
+    from rl_engine import KernelRegistry
+
+    names = [p.name for p in KernelRegistry.providers(op, device) if p.invariant]
+
+    @pytest.fixture(params=names)
+    def backend(request):
+        try:
+            KernelRegistry.get_op(op, device=device, backend=request.param)
+        except Exception as exc:  # registered but not runnable here
+            pytest.skip(str(exc))
+        return request.param
+
+    return backend

@@ -5,27 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine import KernelRegistry
 from rl_engine.ops import det_gemm, det_gemm_cat
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("det_gemm", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("det_gemm", device="cpu", backend=request.param)
-    except (
-        Exception
-    ) as exc:  # provider registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("det_gemm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,19 +19,11 @@ from rl_engine.ops.det_gemm import config as gemm_config
 from rl_engine.ops.det_gemm import triton as gemm_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
-from tests.conftest import interpreter_on
+from tests.conftest import DEVICE, ON_GPU, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-RUNNABLE = (ON_GPU or interpreter_on()) and gemm_triton.triton is not None
-needs_triton = pytest.mark.skipif(
-    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
-)
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-# The interpreter computes bf16 dots wrongly (PLATFORMS.md): CPU runs fp32 / fp16 only.
-DTYPES = (
-    [torch.float32, torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
-)
+RUNNABLE = triton_runnable(gemm_triton)
+needs_triton = skip_unless_triton(gemm_triton)
+DTYPES = TRITON_DTYPES
 
 # Row counts straddling every M bucket of the config table (16/32/64/128/256/512).
 _THRESHOLDS = sorted(

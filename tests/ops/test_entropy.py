@@ -7,26 +7,17 @@ import math
 import pytest
 import torch
 
-from rl_engine import BackendUnavailableError, KernelRegistry, config
+from rl_engine import BackendUnavailableError, config
 from rl_engine.ops import entropy, logp
 from rl_engine.ops.logp.reference import VOCAB_TILE, VocabLogSumExp, temperature_tensor
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("entropy", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("entropy", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("entropy")
 
 
 def _ref64(logits, temperature):

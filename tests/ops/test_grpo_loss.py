@@ -8,28 +8,18 @@ import math
 import pytest
 import torch
 
-from rl_engine import KernelRegistry
 from rl_engine.ops import grpo_loss
 from rl_engine.ops.grpo_loss import AGG_MODES
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 # every option on: DAPO clip-higher, dual clip, k3 KL penalty, rollout IS weights
 _FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.05)
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("grpo_loss", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("grpo_loss", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("grpo_loss")
 
 
 def _data(b, t, dtype=torch.float32, *, seed=0, scale=0.5):

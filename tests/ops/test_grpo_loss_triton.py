@@ -21,18 +21,11 @@ from rl_engine.ops.grpo_loss import triton as gl_triton
 from rl_engine.ops.ratio_kl import triton as rk_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
-from tests.conftest import interpreter_on
+from tests.conftest import DEVICE, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-RUNNABLE = (ON_GPU or interpreter_on()) and gl_triton.triton is not None
-needs_triton = pytest.mark.skipif(
-    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
-)
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-DTYPES = (
-    [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-)
+RUNNABLE = triton_runnable(gl_triton)
+needs_triton = skip_unless_triton(gl_triton)
+DTYPES = TRITON_DTYPES
 # every option on: DAPO clip-higher, dual clip, k3 KL penalty (rollout IS weights added below)
 _FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.05)
 _T_MULTI = gl_triton.BLOCK_T + 45  # two T tiles

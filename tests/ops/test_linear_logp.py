@@ -10,13 +10,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from rl_engine import BackendUnavailableError, KernelRegistry, config
+from rl_engine import BackendUnavailableError, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
 from rl_engine.ops.linear_logp import reference as ll_ref
 from rl_engine.ops.linear_logp import stock as ll_stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (TOKEN_CHUNK, VOCAB_CHUNK) work tiles: the shipped ones and smaller ones that split the
@@ -24,17 +25,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 CHUNKS = [(ll_ref.TOKEN_CHUNK, ll_ref.VOCAB_CHUNK), (7, VOCAB_TILE), (64, 2 * VOCAB_TILE)]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("linear_logp", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("linear_logp", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("linear_logp")
 
 
 @pytest.fixture

@@ -12,21 +12,12 @@ from rl_engine.ops import logp
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("logp", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("logp", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("logp")
 
 
 def _ref64(logits, tokens, temperature):

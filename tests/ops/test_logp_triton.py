@@ -23,19 +23,11 @@ from rl_engine.ops.linear_logp import triton as ll_triton
 from rl_engine.ops.logp import triton as lp_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
-from tests.conftest import interpreter_on
+from tests.conftest import DEVICE, ON_GPU, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-RUNNABLE = (ON_GPU or interpreter_on()) and lp_triton.triton is not None
-needs_triton = pytest.mark.skipif(
-    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
-)
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-# The interpreter is exercised with fp32 / fp16 (PLATFORMS.md); bf16 runs on the GPU.
-DTYPES = (
-    [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-)
+RUNNABLE = triton_runnable(lp_triton)
+needs_triton = skip_unless_triton(lp_triton)
+DTYPES = TRITON_DTYPES
 TILE = lp_triton.VOCAB_TILE
 # Small chunks (interpreter) so that a few dozen rows cross every boundary.
 _SMALL_CHUNK = 8

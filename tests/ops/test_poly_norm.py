@@ -8,23 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine import KernelRegistry, config
+from rl_engine import config
 from rl_engine.ops import fused_mul_poly_norm, poly_norm
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import backend_fixture
 
-
-def _providers():
-    return [p.name for p in KernelRegistry.providers("poly_norm", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("poly_norm", device="cpu", backend=request.param)
-    except Exception as exc:  # triton without the interpreter
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("poly_norm")
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

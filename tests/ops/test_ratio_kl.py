@@ -7,27 +7,17 @@ import math
 import pytest
 import torch
 
-from rl_engine import KernelRegistry
 from rl_engine.ops import ratio_kl
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 _DIFF = ("log_ratio", "ratio", "k1", "k2", "k3", "seq_log_ratio", "seq_ratio")
 _OPTS = dict(token_is_cap=1.5, seq_is_cap=3.0, token_mis=(0.4, 2.5), seq_mis=(0.2, 4.0))
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("ratio_kl", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("ratio_kl", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("ratio_kl")
 
 
 def _data(b, t, dtype, *, scale=0.3, seed=0):

@@ -18,19 +18,11 @@ from rl_engine.ops import ratio_kl
 from rl_engine.ops.ratio_kl import triton as rk_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
-from tests.conftest import interpreter_on
+from tests.conftest import DEVICE, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-RUNNABLE = (ON_GPU or interpreter_on()) and rk_triton.triton is not None
-needs_triton = pytest.mark.skipif(
-    not RUNNABLE, reason="needs a CUDA device, or TRITON_INTERPRET=1 for the interpreter"
-)
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-# The interpreter is exercised with fp32 / fp16 (PLATFORMS.md); bf16 runs on the GPU.
-DTYPES = (
-    [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-)
+RUNNABLE = triton_runnable(rk_triton)
+needs_triton = skip_unless_triton(rk_triton)
+DTYPES = TRITON_DTYPES
 _OPTS = dict(token_is_cap=1.5, seq_is_cap=3.0, token_mis=(0.4, 2.5), seq_mis=(0.2, 4.0))
 _DIFF = ("log_ratio", "ratio", "k1", "k2", "k3", "seq_log_ratio", "seq_ratio")
 _T_MULTI = rk_triton.BLOCK_T + 77  # two tiles: the sequential tile loop is exercised

@@ -11,22 +11,13 @@ from rl_engine.ops import rms_norm
 from rl_engine.ops.det_gemm.reference import det_gemm_wgrad
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("rms_norm", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("rms_norm", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("rms_norm")
 
 
 def _ref64(r: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:

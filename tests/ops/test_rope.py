@@ -13,6 +13,7 @@ from rl_engine.ops import rope, rope_qk
 from rl_engine.ops.rope.reference import canonical_scaling, inv_freq_table
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 LLAMA3 = {
@@ -24,17 +25,7 @@ LLAMA3 = {
 }
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("rope", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("rope", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("rope")
 
 
 def _inv_freq64(theta: float, rd: int, scaling: dict | None = None) -> torch.Tensor:

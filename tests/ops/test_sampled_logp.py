@@ -10,29 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine import KernelRegistry
 from rl_engine.ops import logp
 from rl_engine.ops.logp import logp_at, sampled_logp
 from rl_engine.ops.logp import triton as lp_triton
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.testing.invariance import assert_bitwise
+from tests.conftest import backend_fixture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TEMPS = [0.7, 1.0, 1e-3, 100.0, 0.7, 1.3, 1.0]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("logp", DEVICE) if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("logp", device=DEVICE, backend=request.param)
-    except Exception as exc:  # registered but not runnable here (triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("logp", DEVICE)
 
 
 def _case(rows, vocab, dtype, seed=0):

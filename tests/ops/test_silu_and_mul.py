@@ -9,21 +9,12 @@ from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import silu_and_mul
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
+from tests.conftest import backend_fixture
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _providers():
-    return [p.name for p in KernelRegistry.providers("silu_and_mul", "cpu") if p.invariant]
-
-
-@pytest.fixture(params=_providers())
-def backend(request):
-    try:
-        KernelRegistry.get_op("silu_and_mul", device="cpu", backend=request.param)
-    except Exception as exc:  # registered but not runnable here (e.g. triton w/o interpreter)
-        pytest.skip(str(exc))
-    return request.param
+backend = backend_fixture("silu_and_mul")
 
 
 def _ref64(x: torch.Tensor) -> torch.Tensor:
