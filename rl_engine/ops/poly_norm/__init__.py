@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.ops import _dtensor
 from rl_engine.ops._common import check_tensor, native_provider
 from rl_engine.ops.poly_norm import reference
 from rl_engine.registry import KernelRegistry, resolve_provider
@@ -82,6 +83,9 @@ def _backward(ctx, grad):
         grad.to(x.dtype), x, mul, weight, bias, ctx.eps, ctx.provider
     )
     need = ctx.needs_input_grad
+    # DTensors: the op ran on gathered rows (ops/_dtensor.py); the input gradients go back in
+    # the inputs' placements
+    dx, dmul = _dtensor.like(dx, x), _dtensor.like(dmul, mul)
     return (
         dx if need[0] else None,
         dmul if (mul is not None and need[1]) else None,
@@ -105,6 +109,8 @@ def _entry(
     mul: torch.Tensor | None = None,
 ) -> torch.Tensor:
     reference._check(x, weight, bias, eps, mul)
+    if _dtensor.any_dtensor(x, mul, weight, bias):
+        _dtensor.ensure()
     return _poly_norm_op(x, mul, weight, bias, float(eps), provider)
 
 

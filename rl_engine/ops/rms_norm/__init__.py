@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.ops import _dtensor
 from rl_engine.ops._common import check_tensor, native_provider, stock_provider
 from rl_engine.ops.rms_norm import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
@@ -146,7 +147,10 @@ def _backward(ctx, grad, ops=_OPS):
     dx_op, wgrad_op, backward_op = ops
     x, weight = ctx.saved_tensors
     grad = grad.to(x.dtype)
-    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and _has_fused_backward(ctx.provider):
+    # one fused pass when the provider has it; not for DTensors, whose input gradient stays
+    # sharded through rms_norm_dx while the weight gradient gathers the rows
+    fused = _has_fused_backward(ctx.provider) and not _dtensor.any_dtensor(grad, x)
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and fused:
         dx, dw = backward_op(grad, x, weight, None, ctx.eps, ctx.provider)
         return dx, dw.to(weight.dtype), None, None
     dx = dw = None
@@ -172,7 +176,8 @@ def _fused_backward(ctx, grad_y, grad_s, ops=_OPS):
     s, weight = ctx.saved_tensors
     ds = dw = None
     need_ds = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-    if need_ds and ctx.needs_input_grad[2] and _has_fused_backward(ctx.provider):
+    fused = _has_fused_backward(ctx.provider) and not _dtensor.any_dtensor(grad_y, s)
+    if need_ds and ctx.needs_input_grad[2] and fused:
         gs = grad_s.to(s.dtype) if grad_s is not None else None
         ds, dw = backward_op(grad_y.to(s.dtype), s, weight, gs, ctx.eps, ctx.provider)
         dw = dw.to(weight.dtype)
@@ -234,7 +239,10 @@ def _entry(
     provider: str,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     reference._check(x, weight, eps, residual)
-    if torch.compiler.is_compiling():
+    sharded = _dtensor.any_dtensor(x, weight, residual)
+    if sharded:  # the custom ops carry the DTensor sharding strategies (see ops/_dtensor.py)
+        _dtensor.ensure()
+    if torch.compiler.is_compiling() or sharded:
         if residual is None:
             return _rms_norm_op(x, weight, float(eps), provider)
         return _fused_add_rms_norm_op(x, residual, weight, float(eps), provider)
