@@ -106,3 +106,43 @@ def stock_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Provide
     """What the engines run today, as the ``stock`` provider: every device, not invariant."""
     return Provider(op=op, name="stock", devices=ALL_DEVICES, dtypes=FLOAT_DTYPES,
                     invariant=False, numerics=numerics, fn=fn, **fields)  # fmt: skip
+
+
+def register_op(
+    op: str,
+    *,
+    entry: Any,
+    native: tuple,
+    stock: tuple | None = None,
+) -> None:
+    """Declare ``op`` with its public ``entry`` and its providers, in resolution order: the
+    PyTorch reference (``native``: ``(numerics, fn, extras)``; ``fn`` is also the op's
+    reference, the spec), then what the engines run today (``stock``, same form). The Triton
+    provider is added last, by :func:`register_triton` at the end of the op's package."""
+    from rl_engine.registry import KernelRegistry
+
+    numerics, fn, extras = native
+    KernelRegistry.register_op(op, entry=entry, reference=fn)
+    KernelRegistry.register_provider(
+        native_provider(op=op, numerics=numerics, fn=fn, extras=extras)
+    )
+    if stock is not None:
+        numerics, fn, extras = stock
+        KernelRegistry.register_provider(
+            stock_provider(op=op, numerics=numerics, fn=fn, extras=extras)
+        )
+
+
+def register_triton(package: str, *also: str) -> None:
+    """The Triton provider of ``package`` (its ``triton`` module's ``PROVIDER``): first choice
+    on the GPU (the CPU runs it through the interpreter). ``also``: more provider names of that
+    module, registered after it. Called at the end of the op's package: the module imports what
+    the package defines."""
+    from importlib import import_module
+
+    from rl_engine.registry import KernelRegistry
+
+    mod = import_module(f"{package}.triton")
+    KernelRegistry.register_provider(mod.PROVIDER, first=True)
+    for name in also:
+        KernelRegistry.register_provider(getattr(mod, name))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.attention import reference
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -286,26 +286,23 @@ def write_kv_cache(
 
 
 # ----------------------------------------------------------------------------- registration
-KernelRegistry.register_op(_OP, entry=_entry, reference=reference.attention)
-KernelRegistry.register_provider(
-    native_provider(
-        op=_OP,
-        numerics=f"attention/native-t{reference.KV_TILE}",
-        fn=reference.attention,
-        extras={
+register_op(
+    _OP,
+    entry=_entry,
+    native=(
+        f"attention/native-t{reference.KV_TILE}",
+        reference.attention,
+        {
             "attention_bwd": reference.attention_bwd,
             "paged_attention": reference.paged_attention,
             "paged_attention_out": reference.paged_attention_out,
             "write_kv_cache": reference.write_kv_cache,
         },
-    )
+    ),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.attention import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
-KernelRegistry.register_provider(_triton_provider.SPLIT_PROVIDER)
+register_triton(__name__, "SPLIT_PROVIDER")
 
 
 def self_test(device: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.det_gemm import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -206,28 +206,15 @@ def det_gemm_cat(
     return _DetGemmCatFn.apply(a, provider, len(weights), *weights, *biases)
 
 
-KernelRegistry.register_op("det_gemm", entry=_entry, reference=reference.det_gemm)
-KernelRegistry.register_provider(
-    native_provider(
-        op="det_gemm",
-        numerics="det_gemm/native-k16",
-        fn=reference.det_gemm,
-        extras={"wgrad": reference.det_gemm_wgrad},
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="det_gemm",
-        numerics="det_gemm/stock-torch",
-        fn=stock.det_gemm,
-        extras={"wgrad": stock.det_gemm_wgrad},
-    )
+register_op(
+    "det_gemm",
+    entry=_entry,
+    native=("det_gemm/native-k16", reference.det_gemm, {"wgrad": reference.det_gemm_wgrad}),
+    stock=("det_gemm/stock-torch", stock.det_gemm, {"wgrad": stock.det_gemm_wgrad}),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.det_gemm import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.entropy import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import KernelRegistry, resolve_provider
@@ -100,22 +100,19 @@ def entropy(
     return out if lead is None else out.reshape(lead)
 
 
-KernelRegistry.register_op("entropy", entry=_entry, reference=reference.entropy)
-KernelRegistry.register_provider(
-    native_provider(
-        op="entropy",
-        numerics=f"entropy/native-v{VOCAB_TILE}",
-        fn=reference.entropy,
-        extras={"forward": reference.entropy_forward, "backward": reference.entropy_backward},
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="entropy",
-        numerics="entropy/stock-torch",
-        fn=stock.entropy,
-        extras={"forward": stock.entropy_forward, "backward": stock.entropy_backward},
-    )
+register_op(
+    "entropy",
+    entry=_entry,
+    native=(
+        f"entropy/native-v{VOCAB_TILE}",
+        reference.entropy,
+        {"forward": reference.entropy_forward, "backward": reference.entropy_backward},
+    ),
+    stock=(
+        "entropy/stock-torch",
+        stock.entropy,
+        {"forward": stock.entropy_forward, "backward": stock.entropy_backward},
+    ),
 )
 
 
@@ -138,6 +135,4 @@ def self_test(device: str) -> None:
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.entropy import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.grpo_loss import reference
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, normalize
 from rl_engine.registry import KernelRegistry, resolve_provider
@@ -248,20 +248,14 @@ def grpo_loss(
     )
 
 
-KernelRegistry.register_op("grpo_loss", entry=_entry, reference=reference.grpo_loss)
-KernelRegistry.register_provider(
-    native_provider(
-        op="grpo_loss",
-        numerics="grpo_loss/native",
-        fn=reference.grpo_loss,
-        extras={"backward": reference.grpo_loss_backward},
-    )
+register_op(
+    "grpo_loss",
+    entry=_entry,
+    native=("grpo_loss/native", reference.grpo_loss, {"backward": reference.grpo_loss_backward}),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.grpo_loss import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import KernelRegistry, resolve_provider
@@ -178,25 +178,22 @@ def linear_logp(
     return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
 
 
-KernelRegistry.register_op("linear_logp", entry=_entry, reference=reference.linear_logp)
-KernelRegistry.register_provider(
-    native_provider(
-        op="linear_logp",
-        numerics=f"linear_logp/native-v{VOCAB_TILE}",
-        fn=reference.linear_logp,
-        extras={
+register_op(
+    "linear_logp",
+    entry=_entry,
+    native=(
+        f"linear_logp/native-v{VOCAB_TILE}",
+        reference.linear_logp,
+        {
             "forward": reference.linear_logp_forward,
             "backward": reference.linear_logp_backward,
         },
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="linear_logp",
-        numerics="linear_logp/stock-torch",
-        fn=stock.linear_logp,
-        extras={"forward": stock.linear_logp_forward, "backward": stock.linear_logp_backward},
-    )
+    ),
+    stock=(
+        "linear_logp/stock-torch",
+        stock.linear_logp,
+        {"forward": stock.linear_logp_forward, "backward": stock.linear_logp_backward},
+    ),
 )
 
 
@@ -226,6 +223,4 @@ def self_test(device: str) -> None:
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.linear_logp import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -143,30 +143,27 @@ def sampled_logp(
 
 logp_at = reference.logp_at
 
-KernelRegistry.register_op("logp", entry=_entry, reference=reference.logp)
-KernelRegistry.register_provider(
-    native_provider(
-        op="logp",
-        numerics=f"logp/native-v{reference.VOCAB_TILE}",
-        fn=reference.logp,
-        extras={
+register_op(
+    "logp",
+    entry=_entry,
+    native=(
+        f"logp/native-v{reference.VOCAB_TILE}",
+        reference.logp,
+        {
             "forward": reference.logp_forward,
             "backward": reference.logp_backward,
             "sampled": reference.sampled_forward,
         },
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="logp",
-        numerics="logp/stock-torch",
-        fn=stock.logp,
-        extras={
+    ),
+    stock=(
+        "logp/stock-torch",
+        stock.logp,
+        {
             "forward": stock.logp_forward,
             "backward": stock.logp_backward,
             "sampled": stock.sampled_forward,
         },
-    )
+    ),
 )
 
 
@@ -194,6 +191,4 @@ def self_test(device: str) -> None:
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.logp import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _dtensor
-from rl_engine.ops._common import check_tensor, native_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.poly_norm import reference
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -156,23 +156,21 @@ def fused_mul_poly_norm(
     return _entry(x, weight, bias, eps, provider=provider, mul=mul)
 
 
-KernelRegistry.register_op(_OP, entry=_entry, reference=reference.poly_norm)
-KernelRegistry.register_provider(
-    native_provider(
-        op=_OP,
-        numerics="poly_norm/native",
-        fn=reference.poly_norm,
-        extras={
+register_op(
+    _OP,
+    entry=_entry,
+    native=(
+        "poly_norm/native",
+        reference.poly_norm,
+        {
             "fused_mul": reference.fused_mul_poly_norm,
             "backward": reference.poly_norm_backward,
         },
-    )
+    ),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.poly_norm import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.ratio_kl import reference
 from rl_engine.ops.ratio_kl.args import check, normalize
 from rl_engine.registry import KernelRegistry, resolve_provider
@@ -259,20 +259,14 @@ def ratio_kl(
     )
 
 
-KernelRegistry.register_op("ratio_kl", entry=_entry, reference=reference.ratio_kl)
-KernelRegistry.register_provider(
-    native_provider(
-        op="ratio_kl",
-        numerics="ratio_kl/native",
-        fn=reference.ratio_kl,
-        extras={"backward": reference.ratio_kl_backward},
-    )
+register_op(
+    "ratio_kl",
+    entry=_entry,
+    native=("ratio_kl/native", reference.ratio_kl, {"backward": reference.ratio_kl_backward}),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.ratio_kl import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _dtensor
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.rms_norm import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -277,29 +277,24 @@ def rms_norm(
     return _entry(x, weight, eps, residual, provider=provider)
 
 
-KernelRegistry.register_op("rms_norm", entry=_entry, reference=reference.rms_norm)
-KernelRegistry.register_provider(
-    native_provider(
-        op="rms_norm",
-        numerics="rms_norm/native-tree",
-        fn=reference.rms_norm,
-        extras={"dx": reference.rms_norm_dx, "wgrad": reference.rms_norm_wgrad},
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="rms_norm",
-        numerics="rms_norm/stock-torch",
-        fn=stock.rms_norm,
-        extras={"dx": stock.rms_norm_dx, "wgrad": stock.rms_norm_wgrad},
-    )
+register_op(
+    "rms_norm",
+    entry=_entry,
+    native=(
+        "rms_norm/native-tree",
+        reference.rms_norm,
+        {"dx": reference.rms_norm_dx, "wgrad": reference.rms_norm_wgrad},
+    ),
+    stock=(
+        "rms_norm/stock-torch",
+        stock.rms_norm,
+        {"dx": stock.rms_norm_dx, "wgrad": stock.rms_norm_wgrad},
+    ),
 )
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.rms_norm import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

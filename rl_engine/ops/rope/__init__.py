@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.rope import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -262,37 +262,32 @@ def rope(
     return _entry(x, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
 
 
-KernelRegistry.register_op("rope", entry=_entry, reference=reference.rope)
-KernelRegistry.register_provider(
-    native_provider(
-        op="rope",
-        numerics="rope/native-f64table",
-        fn=reference.rope,
-        extras={
+register_op(
+    "rope",
+    entry=_entry,
+    native=(
+        "rope/native-f64table",
+        reference.rope,
+        {
             "backward": reference.rope_backward,
             "qk": reference.rope_qk,
             "qk_backward": reference.rope_qk_backward,
         },
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="rope",
-        numerics="rope/stock-torch",
-        fn=stock.rope,
-        extras={
+    ),
+    stock=(
+        "rope/stock-torch",
+        stock.rope,
+        {
             "backward": stock.rope_backward,
             "qk": reference.on_q_and_k(stock.rope),
             "qk_backward": reference.on_q_and_k(stock.rope_backward),
         },
-    )
+    ),
 )
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.rope import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, native_provider, stock_provider
+from rl_engine.ops._common import check_tensor, register_op, register_triton
 from rl_engine.ops.silu_and_mul import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -74,29 +74,24 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     return _entry(x, provider=provider)
 
 
-KernelRegistry.register_op("silu_and_mul", entry=_entry, reference=reference.silu_and_mul)
-KernelRegistry.register_provider(
-    native_provider(
-        op="silu_and_mul",
-        numerics="silu_and_mul/native-f64",
-        fn=reference.silu_and_mul,
-        extras={"backward": reference.silu_and_mul_backward},
-    )
-)
-KernelRegistry.register_provider(
-    stock_provider(
-        op="silu_and_mul",
-        numerics="silu_and_mul/stock-torch",
-        fn=stock.silu_and_mul,
-        extras={"backward": stock.silu_and_mul_backward},
-    )
+register_op(
+    "silu_and_mul",
+    entry=_entry,
+    native=(
+        "silu_and_mul/native-f64",
+        reference.silu_and_mul,
+        {"backward": reference.silu_and_mul_backward},
+    ),
+    stock=(
+        "silu_and_mul/stock-torch",
+        stock.silu_and_mul,
+        {"backward": stock.silu_and_mul_backward},
+    ),
 )
 
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
-from rl_engine.ops.silu_and_mul import triton as _triton_provider  # noqa: E402
-
-KernelRegistry.register_provider(_triton_provider.PROVIDER, first=True)
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:
