@@ -247,7 +247,7 @@ def main() -> None:
         "split_decode_kv_bw_frac": dec_s["kv_bw_frac"],
         "split_decode_equals_prefill": dec_s["decode_equals_prefill"],
     }
-    common.write_json(
+    common.finish(
         args.out,
         "attention",
         {
@@ -257,12 +257,12 @@ def main() -> None:
             "ratio_definition": "baseline_us / ours_us (higher is better)",
             "bw_frac_definition": "KV bytes read / time / measured device copy bandwidth",
             "limits": limits,
-            "summary": summary,
-            "rows": rows,
         },
+        summary=summary,
+        rows=rows,
+        plot=plot,
+        digits=None,
     )
-    plot(rows, args.out / "attention.png")
-    print("attention summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

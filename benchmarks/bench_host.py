@@ -218,16 +218,16 @@ def main() -> None:
         "rms_norm_bwd_vs_stock_1row": by["rms_norm bwd (autograd.grad) 1x8192"]
         / by["F.rms_norm bwd (autograd.grad) 1x8192"],
     }
-    common.write_json(
+    common.finish(
         args.out,
         "host",
         {
             "definition": "median wall time of one call, host side (asynchronous launches)",
-            "summary": summary,
-            "rows": rows,
         },
+        summary=summary,
+        rows=rows,
+        digits=2,
     )
-    print("host summary: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ def main() -> None:
         "geomean_bwd_vs_stock": common.geomean([r["bwd_ratio_vs_stock"] for r in rows]),
         "geomean_fused_bwd_vs_stock": common.geomean([r["fused_bwd_ratio_vs_stock"] for r in rows]),
     }
-    common.write_json(
+    common.finish(
         args.out,
         "rms_norm",
         {
@@ -165,12 +165,11 @@ def main() -> None:
             "ratio_definition": "stock_us / triton_us (higher is better)",
             "bw_frac_definition": "minimum bytes of the op / time / measured copy bandwidth",
             "limits": limits,
-            "summary": summary,
-            "rows": rows,
         },
+        summary=summary,
+        rows=rows,
+        plot=plot,
     )
-    plot(rows, args.out / "rms_norm.png")
-    print("rms_norm summary: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

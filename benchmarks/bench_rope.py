@@ -168,7 +168,7 @@ def main() -> None:
             r["tokens"]: round(r["speedup_vs_two_launches"], 3) for r in qk_rows
         },
     }
-    common.write_json(
+    common.finish(
         args.out,
         "rope",
         {
@@ -177,17 +177,17 @@ def main() -> None:
             "ratio_definition": "baseline_us / triton_us (higher is better)",
             "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
             "limits": limits,
-            "summary": summary,
-            "rows": rows,
             "qk_definition": "q and k of one layer from a fused QKV buffer (strided views): "
             "two rope launches vs one rope_qk launch; CUDA-graph replay over cold copies (GPU "
             "time per layer; the stock provider builds its tables on the host, so it is not "
             "graph-capturable and is compared in rows instead)",
             "qk_rows": qk_rows,
         },
+        summary=summary,
+        rows=rows,
+        plot=plot,
+        digits=None,
     )
-    plot(rows, args.out / "rope.png")
-    print("rope summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def main() -> None:
         "geomean_fwd_vs_stock": common.geomean([r["fwd_ratio_vs_stock"] for r in rows]),
         "geomean_bwd_vs_stock": common.geomean([r["bwd_ratio_vs_stock"] for r in rows]),
     }
-    common.write_json(
+    common.finish(
         args.out,
         "silu_and_mul",
         {
@@ -101,12 +101,11 @@ def main() -> None:
             "ratio_definition": "stock_us / triton_us (higher is better)",
             "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
             "limits": limits,
-            "summary": summary,
-            "rows": rows,
         },
+        summary=summary,
+        rows=rows,
+        plot=plot,
     )
-    plot(rows, args.out / "silu_and_mul.png")
-    print("silu_and_mul summary: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":

@@ -231,3 +231,27 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return "" if v is None else str(v)
+
+
+def finish(
+    out_dir: Path,
+    op: str,
+    fields: dict[str, Any],
+    *,
+    summary: dict[str, Any],
+    rows: list[dict],
+    plot: Callable[[list[dict], Path], None] | None = None,
+    digits: int | None = 3,
+) -> Path:
+    """A benchmark's last step: ``<out>/<op>.json`` (``fields``, the summary and the rows, with
+    the device and versions), ``plot(rows, <out>/<op>.png)`` when given, and the one-line
+    summary (numbers to ``digits`` places; ``None``: as they are)."""
+    path = write_json(out_dir, op, {**fields, "summary": summary, "rows": rows})
+    if plot is not None:
+        plot(rows, Path(out_dir) / f"{op}.png")
+
+    def fmt(v: Any) -> str:
+        return f"{v:.{digits}f}" if digits is not None and isinstance(v, float) else f"{v}"
+
+    print(f"{op} summary: " + ", ".join(f"{k} {fmt(v)}" for k, v in summary.items()))
+    return path
