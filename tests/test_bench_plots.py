@@ -81,3 +81,20 @@ def test_rollout_rounds_merge_every_timed_generate():
     assert sorted(row["all_seconds"]) == [1.0, 1.1, 1.2, 2.0, 2.1, 2.2, 3.0]
     assert row["round_tokens_per_s"] == [15603.8, 29789.1, 10922.7]
     assert merged["engine_start_s"] == 40.0 and len(merged["rounds"]) == 3
+
+
+def test_poly_norm_plot_and_summary_line(tmp_path, capsys):
+    """No committed GPU rows yet: synthetic rows in the benchmark's layout."""
+    rows = [
+        {"m": m, "h": h, "fused_mul": f, "fwd_bw_frac": 0.5 + 0.01 * i, "bwd_bw_frac": 0.4}
+        for i, (m, h, f) in enumerate(
+            (m, h, f) for f in (False, True) for m in (1, 1024, 16384) for h in (4096, 14336)
+        )
+    ]
+    path = tmp_path / "poly_norm.png"
+    _bench("poly_norm").plot(rows, path)
+    assert path.stat().st_size > 1000
+    common = importlib.import_module("common")
+    common.finish(tmp_path, "poly_norm_t", {"a": 1}, summary={"x": 0.123456}, rows=rows)
+    assert "poly_norm_t summary: x 0.123" in capsys.readouterr().out
+    assert json.loads((tmp_path / "poly_norm_t.json").read_text())["rows"] == rows

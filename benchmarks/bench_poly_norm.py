@@ -1,0 +1,164 @@
+"""Benchmark of ``poly_norm`` / ``fused_mul_poly_norm`` (Triton provider) against the copy
+bandwidth and ``torch.compile`` of the formula.
+
+Usage: ``python benchmarks/bench_poly_norm.py [--out DIR] [--quick]``.
+
+bf16, per (rows, H) with H from the shared hidden and intermediate sizes (PolyNorm sits in the
+MLP, on the intermediate activations in Motif's models):
+
+* forward: ``poly_norm`` (read x, write y) and ``fused_mul_poly_norm`` (read x and mul, write y);
+* backward: ``poly_norm_backward`` (read grad and x, write dx; the parameter partials are
+  [rows, 4] fp32) and its fused-mul form (also read mul, write dmul).
+
+``bw_frac`` = those minimum bytes / time / measured device copy bandwidth (issue target 0.85).
+The baseline is ``torch.compile`` of the plain fp32 formula ``w0 n(x^3) + w1 n(x^2) + w2 n(x) +
+b`` (its own reductions, not invariant) and of its autograd; ``ratio_vs_compiled`` =
+compiled_us / triton_us (higher is better). Writes ``DIR/poly_norm.json`` and
+``DIR/poly_norm.png``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+from shapes import HIDDEN_SIZES, INTERMEDIATE_SIZES  # noqa: E402
+
+from rl_engine.ops.poly_norm import triton as pn_triton  # noqa: E402
+
+ROWS = (1, 64, 1024, 4096, 16384)
+EPS = 1e-6
+
+
+def _formula(x, mul, weight, bias):
+    """PolyNorm in plain fp32 torch (the compiled baseline)."""
+    a1 = x.float()
+    a2 = a1 * a1
+    a3 = a2 * a1
+
+    def n(a):
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + EPS)
+
+    w = weight.float()
+    y = w[0] * n(a3) + w[1] * n(a2) + w[2] * n(a1) + bias.float()
+    if mul is not None:
+        y = y * mul.float()
+    return y.to(x.dtype)
+
+
+_COMPILED = torch.compile(_formula)  # dynamic after the first new shape (60 shapes here)
+
+
+def _compiled_bwd(x, mul, weight, bias, g):
+    xx = x.detach().requires_grad_(True)
+    inputs = [xx] + ([mul.detach().requires_grad_(True)] if mul is not None else [])
+    y = _COMPILED(xx, inputs[1] if mul is not None else None, weight, bias)
+    return torch.autograd.grad(y, inputs, g)
+
+
+def _case(args, copy_tb_s: float, m: int, h: int, fused: bool) -> dict:
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    mul = torch.randn(m, h, device="cuda", dtype=torch.bfloat16) if fused else None
+    g = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.tensor([0.3, -0.7, 1.1], device="cuda")
+    b = torch.tensor([0.05], device="cuda")
+    if fused:
+
+        def fwd():
+            return pn_triton.fused_mul_poly_norm(x, mul, w, b, EPS)
+    else:
+
+        def fwd():
+            return pn_triton.poly_norm(x, w, b, EPS)
+
+    t = {
+        "fwd": common.bench(fwd, quick=args.quick),
+        "bwd": common.bench(
+            lambda: pn_triton.poly_norm_backward(g, x, w, b, EPS, mul), quick=args.quick
+        ),
+        "compiled_fwd": common.bench(lambda: _COMPILED(x, mul, w, b), quick=args.quick),
+        "compiled_bwd": common.bench(lambda: _compiled_bwd(x, mul, w, b, g), quick=args.quick),
+    }
+    e = x.element_size()
+    n_in = 2 if fused else 1  # x (and mul)
+    nbytes = {"fwd": (n_in + 1) * m * h * e, "bwd": (2 * n_in + 1) * m * h * e + 16 * m}
+    r = {"m": m, "h": h, "fused_mul": fused, "dtype": "bf16"}
+    r.update({f"{k}_us": v for k, v in t.items()})
+    for k in ("fwd", "bwd"):
+        r[f"{k}_bw_frac"] = nbytes[k] / (t[k] * 1e-6) / 1e12 / copy_tb_s
+        r[f"{k}_ratio_vs_compiled"] = t[f"compiled_{k}"] / t[k]
+    name = "fused_mul_poly_norm" if fused else "poly_norm"
+    print(
+        f"{name:19s} M={m:6d} H={h:5d}  fwd {t['fwd']:8.1f} us ({r['fwd_bw_frac']:.2f} copy, "
+        f"{r['fwd_ratio_vs_compiled']:.2f}x compiled)  bwd {t['bwd']:8.1f} us "
+        f"({r['bwd_bw_frac']:.2f} copy, {r['bwd_ratio_vs_compiled']:.2f}x compiled)",
+        flush=True,
+    )
+    return r
+
+
+def run(args, copy_tb_s: float) -> list[dict]:
+    rows = []
+    sizes = (HIDDEN_SIZES[1], INTERMEDIATE_SIZES[1]) if args.quick else (
+        *HIDDEN_SIZES, *INTERMEDIATE_SIZES)  # fmt: skip
+    for fused in (False, True):
+        for m in (1, 1024, 16384) if args.quick else ROWS:
+            for h in sizes:
+                rows.append(_case(args, copy_tb_s, m, h, fused))
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    def draw(axes):
+        for ax, (fused, k) in zip(axes, [(f, k) for f in (False, True) for k in ("fwd", "bwd")]):
+            rs = [r for r in rows if r["fused_mul"] == fused]
+            name = "fused_mul_poly_norm" if fused else "poly_norm"
+            common.bw_lines(ax, rs, group=lambda r: r["h"], label=lambda h: f"H={h}", x="m",
+                            y=f"{k}_bw_frac", title=f"{name} triton bf16: {k}",
+                            target=0.85)  # fmt: skip
+
+    common.save_figure(path, draw, ncols=4, figsize=(20, 4.5))
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if not torch.cuda.is_available():
+        print("bench_poly_norm: no CUDA device; nothing to measure")
+        return
+    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    rows = run(args, limits["copy_tb_s"])
+    big = [r for r in rows if r["m"] >= 4096]
+    summary = {
+        f"{k}_bw_frac_large_rows{'_fused' if f else ''}": common.geomean(
+            [r[f"{k}_bw_frac"] for r in big if r["fused_mul"] == f]
+        )
+        for f in (False, True)
+        for k in ("fwd", "bwd")
+    }
+    summary["geomean_fwd_vs_compiled"] = common.geomean([r["fwd_ratio_vs_compiled"] for r in rows])
+    summary["geomean_bwd_vs_compiled"] = common.geomean([r["bwd_ratio_vs_compiled"] for r in rows])
+    common.finish(
+        args.out,
+        "poly_norm",
+        {
+            "provider": "triton",
+            "baseline": "torch.compile of the fp32 PolyNorm formula (+ its autograd)",
+            "ratio_definition": "compiled_us / triton_us (higher is better)",
+            "bw_frac_definition": "minimum bytes / time / measured copy bandwidth",
+            "target_bw_frac": 0.85,
+            "limits": limits,
+        },
+        summary=summary,
+        rows=rows,
+        plot=plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
