@@ -216,3 +216,29 @@ def test_a_retry_waits_for_the_running_cases(tmp_path, monkeypatch):
     waited = time.perf_counter() - t0
     holder.wait(timeout=30)
     assert waited > 0.5, waited
+
+
+def test_merge_reports_of_runs_on_the_same_code(tmp_path):
+    """Two runs (distinct seeds) merge into one report: counts added, each run listed; runs of
+    other code or a repeated seed are refused."""
+    import json
+
+    paths = []
+    for seed in (1, 2):
+        p = tmp_path / f"r{seed}.json"
+        assert fuzz.main(["--cases", "6", "--seed", str(seed), "--ops", "silu_and_mul,rope",
+                          "--providers", "native", "--json", str(p)]) == 0  # fmt: skip
+        paths.append(str(p))
+    reports = [json.loads(open(p).read()) for p in paths]
+    merged = fuzz.merge_reports(reports, paths)
+    assert merged["cases"] == reports[0]["cases"] + reports[1]["cases"] > 0
+    assert merged["failed"] == 0 and [r["seed"] for r in merged["runs"]] == [1, 2]
+    assert merged["code_hash"] == reports[0]["code_hash"]
+    out = tmp_path / "merged.json"
+    assert fuzz.main(["--merge", *paths, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cases"] == merged["cases"]
+    with pytest.raises(ValueError, match="repeated seeds"):
+        fuzz.merge_reports([reports[0], reports[0]], paths)
+    other = {**reports[1], "code_hash": "0" * 16}
+    with pytest.raises(ValueError, match="different code"):
+        fuzz.merge_reports([reports[0], other], paths)

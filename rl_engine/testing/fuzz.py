@@ -19,7 +19,11 @@ one-line reproducer::
     python -m rl_engine.testing.fuzz --op det_gemm --provider native --device cpu --case-seed 7
 
 ``python -m rl_engine.testing.fuzz --cases 10000 --device cuda`` is the GPU run;
-``--budget SECONDS`` bounds a run (the CPU CI runs ~2 minutes).
+``--budget SECONDS`` bounds a run (the CPU CI runs ~2 minutes); ``--workers N`` runs N shards
+of the case list in parallel processes (dealt over the visible GPUs); a report records its
+seed and a hash of the package's sources, and ``--merge A.json B.json --json ALL.json`` adds
+the reports of runs of the same code with distinct seeds into one (a run is bounded by a
+device call's time; the count is over all of them).
 """
 
 from __future__ import annotations
@@ -773,6 +777,78 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
     return rep
 
 
+def _code_hash() -> str:
+    """A hash of the package's Python sources: two reports with the same hash ran the same
+    kernels and checks (also where the checkout has no git history, as on the device)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _run_identity(device: str, seed: int) -> dict[str, Any]:
+    """What a report must say to be merged with others: the seed, the code, the device."""
+    import datetime
+
+    ident: dict[str, Any] = {
+        "seed": seed,
+        "code_hash": _code_hash(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "device": device,
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        ident["device_name"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        ident["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return ident
+
+
+def merge_reports(reports: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One report from the reports of several runs on the same code (``code_hash``) with
+    distinct seeds (each seed draws its own case list): counts and failures added, ``seconds``
+    the runs' total, each run listed under ``runs``. Refuses runs of other code, repeated
+    seeds, or reports without the identity fields."""
+    if not reports:
+        raise ValueError("fuzz --merge: no reports")
+    missing = [n for n, r in zip(names, reports, strict=True) if "code_hash" not in r]
+    if missing:
+        raise ValueError(f"fuzz --merge: {missing} have no code_hash (written before merging "
+                         "existed); rerun them")  # fmt: skip
+    hashes = {r["code_hash"] for r in reports}
+    if len(hashes) > 1:
+        raise ValueError(f"fuzz --merge: the reports ran different code ({sorted(hashes)})")
+    seeds = [r["seed"] for r in reports]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"fuzz --merge: repeated seeds {seeds} (the same cases twice)")
+    rep = FuzzReport()
+    for r in reports:
+        rep.merge(r)
+    rep.seconds = sum(r["seconds"] for r in reports)
+    out = rep.as_dict()
+    out["code_hash"] = hashes.pop()
+    out["runs"] = [
+        {"report": n, **{k: r.get(k) for k in ("seed", "cases", "failed", "seconds", "device",
+                                               "device_name", "date", "workers", "gpus")}}
+        for n, r in zip(names, reports, strict=True)
+    ]  # fmt: skip
+    extras = {n: r["extras"] for n, r in zip(names, reports, strict=True) if "extras" in r}
+    if extras:
+        out["extras"] = extras
+        out["failed"] += sum(
+            1 for e in extras.values() for v in e.values() if isinstance(v, dict) and "error" in v
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rl_engine.testing.fuzz", description=__doc__)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
@@ -800,7 +876,25 @@ def main(argv: list[str] | None = None) -> int:
         help="also the long inputs (65,536 tokens, a 151,936 + 7 vocabulary) and 100 repeats of a "
         "patched model's forward + backward (GPU)",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="REPORT",
+        help="merge the --json reports of several runs (same code, distinct seeds) into one "
+        "report (--json) instead of running cases",
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        try:
+            out = merge_reports([json.loads(open(p).read()) for p in args.merge], args.merge)
+        except ValueError as exc:
+            ap.error(str(exc))
+        print(json.dumps({k: v for k, v in out.items() if k != "failures"}, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 1 if out["failed"] else 0
     if args.case_seed is not None:
         if not (args.op and args.provider):
             ap.error("--case-seed needs --op and --provider")
@@ -831,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=True,
             shard=shard,
         )
-    out = rep.as_dict()
+    out = {**rep.as_dict(), **_run_identity(args.device, args.seed)}
     if args.workers > 1:
         out["workers"] = args.workers
         if args.device == "cuda":
