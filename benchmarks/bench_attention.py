@@ -222,11 +222,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_attention: no CUDA device; nothing to measure")
+    started = common.start(__doc__, "bench_attention")
+    if started is None:
         return
-    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    args, limits = started
     rows = [prefill(args, b) for b in (PREFILL_BATCHES[:1] if args.quick else PREFILL_BATCHES)]
     rows.append(decode(args, limits["copy_tb_s"]))
     pre = rows[0]

@@ -127,11 +127,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_poly_norm: no CUDA device; nothing to measure")
+    started = common.start(__doc__, "bench_poly_norm")
+    if started is None:
         return
-    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    args, limits = started
     rows = run(args, limits["copy_tb_s"])
     big = [r for r in rows if r["m"] >= 4096]
     summary = {

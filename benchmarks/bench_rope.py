@@ -151,11 +151,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_rope: no CUDA device; nothing to measure")
+    started = common.start(__doc__, "bench_rope")
+    if started is None:
         return
-    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    args, limits = started
     rows = run(args, limits["copy_tb_s"])
     qk_rows = run_qk(args)
     big = [r for r in rows if r["tokens"] >= 4096]

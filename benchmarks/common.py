@@ -255,3 +255,13 @@ def finish(
 
     print(f"{op} summary: " + ", ".join(f"{k} {fmt(v)}" for k, v in summary.items()))
     return path
+
+
+def start(doc: str, name: str) -> tuple[argparse.Namespace, dict[str, float]] | None:
+    """A GPU benchmark's first step: its arguments (described by the first line of ``doc``)
+    and the device's measured limits; ``None`` (said once) without a CUDA device."""
+    args = parse_args(doc.splitlines()[0])
+    if not torch.cuda.is_available():
+        print(f"{name}: no CUDA device; nothing to measure")
+        return None
+    return args, load_or_measure_limits(args.out, quick=args.quick)
