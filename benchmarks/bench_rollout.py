@@ -114,8 +114,9 @@ def _install_step_timer(worker) -> bool:
     return True
 
 
-def _take_step_times(worker) -> list:
-    """Inside the vLLM worker: the calls timed since the last take (and forget them)."""
+def _take_step_times(worker) -> dict:
+    """Inside the vLLM worker: the calls timed and the kernels compiled since the last take
+    (and forget them)."""
     steps, worker._bench_steps = list(worker._bench_steps or []), []
     compiles = worker._bench_compiles
     if compiles is not None:

@@ -35,7 +35,8 @@ class ResidualSequenceParallel(_style_base()):  # type: ignore[misc]
 
     Args:
         sequence_dim: the dim the inputs are sharded on (1 for [batch, sequence, hidden]; 0 for
-            packed [tokens, hidden]). Not the last (normalised) dim.
+            packed [tokens, hidden]). Not the last (normalised) dim: refused at the first
+            input.
         use_local_output: give back local tensors (the rank's rows) instead of DTensors.
 
     Plain tensor inputs are taken as the rank's shard of an even split (as torch's
@@ -46,8 +47,6 @@ class ResidualSequenceParallel(_style_base()):  # type: ignore[misc]
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         super().__init__()
-        if sequence_dim == -1:
-            raise ValueError("ResidualSequenceParallel: the last dim is the normalised one")
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
@@ -73,7 +72,7 @@ class ResidualSequenceParallel(_style_base()):  # type: ignore[misc]
                 if list(t.placements) != placements:
                     t = t.redistribute(mesh, placements)
             elif isinstance(t, torch.Tensor):
-                if t.dim() - 1 in (self.sequence_dim, -1):
+                if t.dim() < 2 or self.sequence_dim % t.dim() == t.dim() - 1:
                     raise ValueError(
                         f"ResidualSequenceParallel: sequence_dim {self.sequence_dim} is the "
                         f"normalised dim of a {t.dim()}-dim input"

@@ -729,8 +729,6 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
 
 def _visible_gpus() -> list[str]:
     """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs)."""
-    import torch
-
     n = torch.cuda.device_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed:
