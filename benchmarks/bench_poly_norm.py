@@ -52,7 +52,12 @@ def _formula(x, mul, weight, bias):
     return y.to(x.dtype)
 
 
-_COMPILED = torch.compile(_formula)  # dynamic after the first new shape (60 shapes here)
+# 60 shapes x {plain, fused} x {no grad, grad}: dynamic after a form's second shape, but past
+# dynamo's default recompile limit (8) the function silently runs eager (the fused rows of the
+# first H100 run). So the limit is raised, and hitting it raises instead of falling back.
+torch._dynamo.config.recompile_limit = 64
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+_COMPILED = torch.compile(_formula)
 
 
 def _compiled_bwd(x, mul, weight, bias, g):
