@@ -16,4 +16,5 @@ TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WO
   tests/ops/test_ratio_kl_triton.py tests/ops/test_grpo_loss_triton.py tests/ops/test_logp_triton.py \
   tests/ops/test_sampled_logp.py \
   tests/ops/test_attention.py tests/invariance/test_attention_paths.py \
-  tests/ops/test_host_independence.py tests/test_fuzz.py tests/ops/test_dtensor_norms.py -k triton "$@"
+  tests/ops/test_host_independence.py tests/test_fuzz.py tests/ops/test_dtensor_norms.py \
+  tests/ops/test_rms_norm_tp.py -k triton "$@"

@@ -59,8 +59,8 @@ def _worker(
     weights = torch.linspace(-1.0, 2.0, logp.numel(), device=device).to(logp.dtype)
     (logp * weights).sum().backward()
     grads = {n: p.grad.detach().cpu() for n, p in gpt.named_parameters() if p.grad is not None}
-    # with sequence parallelism a replicated weight used on each rank's token block (the norms)
-    # holds a partial gradient until Megatron's finalize step sums the ranks (not checked here)
+    # a weight still marked sequence_parallel would hold a partial gradient until Megatron's
+    # finalize step sums the ranks (listed, not compared); the rl_engine norms leave none
     partial = [n for n, p in gpt.named_parameters() if getattr(p, "sequence_parallel", False)]
     result = {"logp": logp.detach().cpu(), "grads": grads, "partial": partial if sp else []}
     torch.save(result, f"{out}.rank{rank}")

@@ -55,12 +55,13 @@ def test_megatron_tp_equals_tp1_bitwise(model, runs, tp):
 def test_megatron_tp4_sequence_parallel_equals_tp1(model, runs, tmp_path):
     """Sequence parallelism: the row-parallel outputs reduce-scattered over the tokens (the
     grouped reduction's all-to-all of row blocks), the column-parallel inputs all-gathered.
-    Log-probs and every tensor-parallel gradient shard equal TP = 1; the norm weights (used on
-    each rank's token block) hold partial sums that Megatron's finalize step adds up: listed,
-    not compared."""
+    Log-probs and every gradient equal TP = 1's, the norm weights' too: used on each rank's
+    token block, their gradients are the row-grouped ones (rl_engine.ops.rms_norm.tp), complete
+    on every rank, so no weight is left holding a partial sum for Megatron's finalize step."""
     sp = tp_check.run(model, 4, str(tmp_path / "sp"), "float32", sequence_parallel=True)
-    partial = set(sp[0]["partial"])
-    assert partial and all("layernorm" in n for n in partial)
+    assert sp[0]["partial"] == []
+    norms = [n for n in sp[0]["grads"] if "layernorm" in n]
+    assert len(norms) == 2 * SHAPE["num_hidden_layers"] + 1, norms  # input, pre-MLP; final
     assert tp_check.compare(model, runs[1], sp) == []
 
 

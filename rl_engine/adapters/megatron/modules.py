@@ -13,7 +13,10 @@ changes only what is computed:
   TP = 1 runs it too (``RL_ENGINE_TP_GROUPS=8``).
 * :class:`RLRMSNorm`: ``rms_norm(x, weight, eps)`` (the residual add happens in the transformer
   layer's bias-dropout-add, in the model dtype, exactly like the fused ``rms_norm(x, w, eps,
-  residual)`` of the rollout engine).
+  residual)`` of the rollout engine). With the TP-invariant reductions on, the token-row norms'
+  weight gradient is :mod:`rl_engine.ops.rms_norm.tp`'s row-grouped one (sequence-parallel
+  blocks exchanged as fp32 subtrees), equal on every rank and at every degree, and the weight is
+  then not marked ``sequence_parallel`` (no finalize all-reduce).
 * :class:`RLMLP`: fc1 (``[gate; up]`` rows, Megatron's gated layout) then ``silu_and_mul``.
 * :class:`RLCoreAttention`: RoPE (``rl_engine.ops.rope`` on q and k, positions from the layout:
   0..s-1 per sequence in the padded ``sbhd`` layout, restarting at every ``cu_seqlens`` boundary
@@ -39,6 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from rl_engine import ops
 from rl_engine.ops.det_gemm import tp as tpm
+from rl_engine.ops.rms_norm.tp import rms_norm_tp
 
 __all__ = [
     "RLColumnParallelLinear",
@@ -215,14 +219,53 @@ class RLRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
-        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self._bind_weight()
+
+    @classmethod
+    def wrapping(cls, config: Any, weight: torch.nn.Parameter, eps: float) -> RLRMSNorm:
+        """An ``RLRMSNorm`` holding an existing norm's ``weight`` (``replace_modules``)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.config, new.eps, new.weight = config, float(eps), weight
+        new._bind_weight()
+        return new
+
+    def _bind_weight(self) -> None:
+        # the token-row norms (hidden size; not the q / k head norms, whose rows are heads):
+        # with the TP-invariant reductions on, their weight gradient is the row-grouped one
+        # (rl_engine.ops.rms_norm.tp), complete and equal on every rank, so Megatron's finalize
+        # step must not all-reduce it again: not marked sequence_parallel then
+        sp = bool(getattr(self.config, "sequence_parallel", False))
+        self._token_rows = self.weight.shape[-1] == getattr(self.config, "hidden_size", None)
+        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+        self._grouped = self._token_rows and tpm.groups_for(tp) is not None
+        self.weight.sequence_parallel = sp and not self._grouped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H] in x.dtype."""
-        return ops.rms_norm(x, self.weight, self.eps)
+        if not self._token_rows:
+            return ops.rms_norm(x, self.weight, self.eps)
+        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+        groups = tpm.groups_for(tp)
+        if (groups is not None) != self._grouped:
+            raise RuntimeError(
+                "RLRMSNorm: RL_ENGINE_TP_GROUPS changed after the model was built (the norm "
+                "weights' sequence_parallel marks follow it); rebuild the model"
+            )
+        if groups is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        sp = bool(getattr(self.config, "sequence_parallel", False)) and tp > 1
+        exchange = _exchange(_tp_group()) if sp else None
+        return rms_norm_tp(x, self.weight, self.eps, groups=groups, exchange=exchange)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _tp_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _init_device(config: Any) -> torch.device:

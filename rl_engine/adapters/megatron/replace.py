@@ -249,12 +249,7 @@ def replace_modules(
                 if eps is None:
                     report.not_replaced.append((full, why))
                     continue
-                new = RLRMSNorm.__new__(RLRMSNorm)
-                torch.nn.Module.__init__(new)
-                new.config = cfg
-                new.eps = eps
-                new.weight = child.weight
-                setattr(mod, child_name, new)
+                setattr(mod, child_name, RLRMSNorm.wrapping(cfg, child.weight, eps))
                 report.replaced.append(full)
             elif type(child) is DotProductAttention:
                 new = RLCoreAttention(
