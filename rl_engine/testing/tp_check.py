@@ -58,14 +58,38 @@ def _worker(
     logp = token_logprobs(gpt, ids, cu_seqlens=cu)
     weights = torch.linspace(-1.0, 2.0, logp.numel(), device=device).to(logp.dtype)
     (logp * weights).sum().backward()
+    # Megatron's finalize step then adds the TP ranks' gradients of the weights marked
+    # sequence_parallel (with sequence parallelism) and of q/k_layernorm (by name): done here
+    # the same way, so what is compared is what the optimizer would see
+    summed = _finalize_tp_sums(gpt, sp and world > 1, dist)
     grads = {n: p.grad.detach().cpu() for n, p in gpt.named_parameters() if p.grad is not None}
-    # a weight still marked sequence_parallel would hold a partial gradient until Megatron's
-    # finalize step sums the ranks (listed, not compared); the rl_engine norms leave none
+    # a weight still marked sequence_parallel holds a partial gradient before that step (listed;
+    # the rl_engine norms leave none)
     partial = [n for n, p in gpt.named_parameters() if getattr(p, "sequence_parallel", False)]
-    result = {"logp": logp.detach().cpu(), "grads": grads, "partial": partial if sp else []}
+    result = {
+        "logp": logp.detach().cpu(),
+        "grads": grads,
+        "partial": partial if sp else [],
+        "finalize_summed": summed,
+    }
     torch.save(result, f"{out}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _finalize_tp_sums(gpt: Any, sp: bool, dist: Any) -> list[str]:
+    """The tensor-parallel all-reduce (sum) of Megatron's ``finalize_model_grads``, on
+    ``param.grad``; returns the names it summed."""
+    qk = bool(getattr(gpt.config, "qk_layernorm", False))
+    names = []
+    for name, p in gpt.named_parameters():
+        marked = sp and getattr(p, "sequence_parallel", False)
+        if p.grad is not None and (
+            marked or (qk and ("q_layernorm" in name or "k_layernorm" in name))
+        ):
+            dist.all_reduce(p.grad)
+            names.append(name)
+    return names
 
 
 def run(
@@ -119,8 +143,6 @@ def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
             bad.append(f"rank {r}: log-probs differ from TP = 1 (max |d| {d:.3g})")
         want = shard_state(base[0]["grads"], cfg, t, r)
         for name, g in res["grads"].items():
-            if name in res.get("partial", ()):
-                continue
             ref = want.get(name)
             if ref is None or ref.shape != g.shape or not torch.equal(ref, g):
                 bad.append(f"rank {r}: gradient of {name} differs from TP = 1's shard")
@@ -160,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in degrees[1:]:
         bad = compare(args.model, base, runs[t])
         n = base[0]["logp"].numel()
-        skipped = len(runs[t][0].get("partial", ()))
-        note = f" ({skipped} sequence-parallel norm weights hold partial sums, not compared)"
+        summed = len(runs[t][0].get("finalize_summed", ()))
+        note = f" ({summed} of them after the finalize step's TP sum)"
         print(f"TP {t} vs TP {degrees[0]}: {n} log-probs, {len(runs[t][0]['grads'])} gradient "
               f"shards per rank: {'bitwise equal' if not bad else 'MISMATCH'}"
-              f"{note if skipped else ''}")  # fmt: skip
+              f"{note if summed else ''}")  # fmt: skip
         for line in bad[:10]:
             print("  " + line)
         status |= bool(bad)

@@ -102,3 +102,20 @@ def test_check_tp_shapes_names_the_allowed_degrees(monkeypatch):
     finally:
         monkeypatch.delenv("RL_ENGINE_TP_GROUPS")
         config.reload()
+
+
+def test_megatron_qwen3_qk_norms_tp4_equal_tp1(tmp_path_factory):
+    """Qwen3's per-head q / k norms at TP 4 (each rank normalises its heads): after the
+    finalize step's TP sum of their gradients (which Megatron does by name), every gradient and
+    the log-probs equal TP = 1's. Their per-head partials are all-gathered and tree-summed
+    (rl_engine.ops.rms_norm.tp.rms_norm_heads_tp); rank 0 holds the sum, the others zeros."""
+    model = make_tiny_model(
+        tmp_path_factory.mktemp("tp") / "qwen3", arch="qwen3", dtype="float32", seed=0, **SHAPE
+    )
+    out = tmp_path_factory.mktemp("tp_qwen3")
+    one = tp_check.run(model, 1, str(out / "tp1"), "float32")
+    four = tp_check.run(model, 4, str(out / "tp4"), "float32")
+    summed = four[0]["finalize_summed"]
+    assert len(summed) == 2 * SHAPE["num_hidden_layers"], summed
+    assert all("q_layernorm" in n or "k_layernorm" in n for n in summed)
+    assert tp_check.compare(model, one, four) == []

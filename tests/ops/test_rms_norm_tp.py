@@ -27,10 +27,10 @@ def _data(m: int, h: int = 48, seed: int = 0):
     return x, grad, w
 
 
-def _grads(x, grad, w, backend, **kw):
+def _grads(x, grad, w, backend, fn=norm_tp.rms_norm_tp, **kw):
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
-    norm_tp.rms_norm_tp(x, w, 1e-6, backend=backend, **kw).backward(grad)
+    fn(x, w, 1e-6, backend=backend, **kw).backward(grad)
     return x.grad, w.grad
 
 
@@ -97,3 +97,41 @@ def test_bad_input():
 
 def test_family_names_the_provider():
     assert norm_tp.family("cpu").startswith("rms_norm_tp/g8[rms_norm/")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_head_blocks_equal_tp1(t, backend):
+    """Qwen3's q / k norm at TP t: rank r normalises heads [r n / t, (r + 1) n / t) of every
+    token; the per-head partials all-gathered and tree-summed give the one-process gradient;
+    with ``sole`` rank 0 holds it and the others zeros (their sum, as Megatron's finalize step
+    adds them, is the same gradient)."""
+    g = torch.Generator().manual_seed(1)
+    scale = torch.logspace(-3, 3, 12).view(12, 1, 1)
+    x = torch.randn(12, 8, 16, generator=g) * scale  # [tokens, heads, D]
+    grad = torch.randn(12, 8, 16, generator=g) * scale.flip(0)
+    w = torch.randn(16, generator=g)
+    _, dw1 = _grads(x, grad, w, backend, fn=norm_tp.rms_norm_heads_tp)
+    n = 8 // t
+    blocks = [slice(r * n, (r + 1) * n) for r in range(t)]
+    parts = [norm_tp.head_wgrad(grad[:, b], x[:, b], 1e-6, backend) for b in blocks]
+    total = torch.zeros_like(w)
+    for r, b in enumerate(blocks):
+
+        def gather(p, r=r):
+            assert torch.equal(p, parts[r])
+            return parts
+
+        for sole in (False, True):
+            ex = Exchange(None, gather, r, t)
+            dx, dw = _grads(x[:, b], grad[:, b], w, backend, fn=norm_tp.rms_norm_heads_tp,
+                            exchange=ex, sole=sole)  # fmt: skip
+            assert torch.equal(dw, dw1 if (r == 0 or not sole) else torch.zeros_like(w))
+        total = total + dw
+    assert torch.equal(total, dw1)
+    # the control: each rank's own weight gradient over its heads, summed (stock Megatron)
+    stock = torch.zeros_like(w)
+    for b in blocks:
+        wr = w.clone().requires_grad_(True)
+        ops.rms_norm(x[:, b], wr, 1e-6, backend=backend).backward(grad[:, b])
+        stock = stock + wr.grad
+    assert not torch.equal(stock, dw1)

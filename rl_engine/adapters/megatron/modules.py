@@ -42,7 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from rl_engine import ops
 from rl_engine.ops.det_gemm import tp as tpm
-from rl_engine.ops.rms_norm.tp import rms_norm_tp
+from rl_engine.ops.rms_norm.tp import rms_norm_heads_tp, rms_norm_tp
 
 __all__ = [
     "RLColumnParallelLinear",
@@ -231,7 +231,8 @@ class RLRMSNorm(torch.nn.Module):
         return new
 
     def _bind_weight(self) -> None:
-        # the token-row norms (hidden size; not the q / k head norms, whose rows are heads):
+        # the token-row norms (hidden size; the q / k head norms' rows are (token, head) pairs,
+        # see forward):
         # with the TP-invariant reductions on, their weight gradient is the row-grouped one
         # (rl_engine.ops.rms_norm.tp), complete and equal on every rank, so Megatron's finalize
         # step must not all-reduce it again: not marked sequence_parallel then
@@ -243,10 +244,15 @@ class RLRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H] in x.dtype."""
-        if not self._token_rows:
-            return ops.rms_norm(x, self.weight, self.eps)
         tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
         groups = tpm.groups_for(tp)
+        if not self._token_rows:  # q / k head norms: [..., heads of this rank, D]
+            if groups is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            # Megatron's finalize step adds the TP ranks' gradients of q/k_layernorm (by name):
+            # rank 0 holds the whole TP-invariant gradient, the others zeros (exact in any order)
+            exchange = _exchange(_tp_group()) if tp > 1 else None
+            return rms_norm_heads_tp(x, self.weight, self.eps, exchange=exchange, sole=True)
         if (groups is not None) != self._grouped:
             raise RuntimeError(
                 "RLRMSNorm: RL_ENGINE_TP_GROUPS changed after the model was built (the norm "

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.ops._common import tree_sum
 from rl_engine.ops.det_gemm.tp import Exchange, allowed_degrees, combine, pair_tree
 from rl_engine.registry import KernelRegistry, resolve_provider
 
-__all__ = ["family", "row_group_wgrad", "rms_norm_tp"]
+__all__ = ["family", "head_wgrad", "rms_norm_heads_tp", "row_group_wgrad", "rms_norm_tp"]
 
 
 def family(device: torch.device | str = "cpu", groups: int = 8) -> str:
@@ -55,28 +56,41 @@ def row_group_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float, groups: int
     return pair_tree(torch.stack(parts))
 
 
-class _GroupedWeightGrad(torch.autograd.Function):
-    """Identity on ``y`` forward; backward passes ``grad`` on to ``y`` and gives ``weight`` the
-    grouped gradient from ``(grad, r)`` (``r`` gets none here: its gradient flows through
-    ``y``'s own backward)."""
+def head_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float, provider: str) -> torch.Tensor:
+    """fp32 [n_heads, D]: each head's weight gradient of ``r`` [..., n_heads, D] (the provider's
+    own, over that head's rows in order)."""
+    wgrad = KernelRegistry.provider("rms_norm", provider).extras["wgrad"]
+    return torch.stack([wgrad(grad[..., h, :], r[..., h, :], eps) for h in range(r.shape[-2])])
+
+
+class _WeightGradOf(torch.autograd.Function):
+    """Identity on ``y`` forward; backward passes ``grad`` on to ``y`` and gives ``weight``
+    ``wgrad(grad, r)`` (``r`` gets none here: its gradient flows through ``y``'s own
+    backward)."""
 
     @staticmethod
-    def forward(ctx, y, r, weight, eps, groups, exchange, provider):
+    def forward(ctx, y, r, weight, wgrad):
         ctx.save_for_backward(r)
-        ctx.meta = (eps, groups, exchange, provider, weight.dtype)
+        ctx.meta = (wgrad, weight.dtype)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
         (r,) = ctx.saved_tensors
-        eps, groups, exchange, provider, dtype = ctx.meta
-        dw = None
-        if ctx.needs_input_grad[2]:
-            sub = row_group_wgrad(grad.to(r.dtype), r, eps, groups, provider)
-            if exchange.world > 1:
-                sub = combine(exchange.all_gather(sub.contiguous()))
-            dw = sub.to(dtype)
-        return grad, None, dw, None, None, None, None
+        wgrad, dtype = ctx.meta
+        dw = wgrad(grad.to(r.dtype), r).to(dtype) if ctx.needs_input_grad[2] else None
+        return grad, None, dw, None
+
+
+def _with_wgrad(x, weight, eps, backend, wgrad) -> torch.Tensor:
+    """``rms_norm(x, weight, eps)`` whose weight gradient is ``wgrad(grad, x, provider)``."""
+    from rl_engine import ops
+
+    provider = resolve_provider("rms_norm", x.device.type, backend)
+    y = ops.rms_norm(x, weight.detach(), eps, backend=provider)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return y
+    return _WeightGradOf.apply(y, x.detach(), weight, lambda g, r: wgrad(g, r, provider))
 
 
 def rms_norm_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, groups: int = 8,
@@ -97,8 +111,6 @@ def rms_norm_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gro
         ``y`` as :func:`rl_engine.ops.rms_norm`; ``weight.grad`` the same bits on every rank and
         at every TP degree in ``allowed_degrees(groups)``.
     """
-    from rl_engine import ops
-
     world = 1 if exchange is None else exchange.world
     if world not in allowed_degrees(groups):
         raise ValueError(
@@ -113,10 +125,39 @@ def rms_norm_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gro
             f"{groups} row groups; with sequence parallelism the token count (sequence x batch) "
             f"must be a multiple of {groups}"
         )
-    provider = resolve_provider("rms_norm", x.device.type, backend)
-    y = ops.rms_norm(x, weight.detach(), eps, backend=provider)
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return y
-    return _GroupedWeightGrad.apply(
-        y, x.detach(), weight, float(eps), local, exchange or Exchange(), provider
-    )
+
+    def wgrad(g, r, provider):
+        sub = row_group_wgrad(g, r, eps, local, provider)
+        return sub if world == 1 else combine(exchange.all_gather(sub.contiguous()))
+
+    return _with_wgrad(x, weight, eps, backend, wgrad)
+
+
+def rms_norm_heads_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                      exchange: Exchange | None = None, sole: bool = False,
+                      backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """A per-head norm (Qwen3's q / k norm) of a tensor-parallel rank's heads whose weight
+    gradient does not depend on the TP degree (family ``rms_norm_heads_tp[<rms_norm family>]``):
+    one weight gradient per head (the provider's, over the head's rows), the ranks' per-head
+    ``[heads, D]`` fp32 partials all-gathered (rank ``r`` holds the ``r``-th block of heads), and
+    the heads summed by :func:`~rl_engine.ops._common.tree_sum` (a fixed pairwise order that
+    depends on the head count only).
+
+    Args:
+        x: [..., heads_local, D]; weight: [D], replicated.
+        exchange: the TP group's :class:`~rl_engine.ops.det_gemm.tp.Exchange` (``None``: every
+            head is here).
+        sole: give the gradient to TP rank 0 only and zeros to the others: for a trainer whose
+            finalize step adds the ranks' gradients of these weights (Megatron does, by name):
+            ``g + 0 + ... + 0`` is ``g`` exactly in any order.
+    """
+    world = 1 if exchange is None else exchange.world
+
+    def wgrad(g, r, provider):
+        parts = head_wgrad(g, r, eps, provider)
+        if world > 1:
+            parts = torch.cat(exchange.all_gather(parts.contiguous()))
+        dw = tree_sum(parts, dim=0)
+        return torch.zeros_like(dw) if sole and exchange is not None and exchange.rank else dw
+
+    return _with_wgrad(x, weight, eps, backend, wgrad)
