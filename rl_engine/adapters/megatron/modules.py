@@ -232,19 +232,17 @@ class RLRMSNorm(torch.nn.Module):
 
     def _bind_weight(self) -> None:
         # the token-row norms (hidden size; the q / k head norms' rows are (token, head) pairs,
-        # see forward):
-        # with the TP-invariant reductions on, their weight gradient is the row-grouped one
-        # (rl_engine.ops.rms_norm.tp), complete and equal on every rank, so Megatron's finalize
-        # step must not all-reduce it again: not marked sequence_parallel then
+        # see forward): with the TP-invariant reductions on, their weight gradient is the
+        # row-grouped one (rl_engine.ops.rms_norm.tp), complete and equal on every rank, so
+        # Megatron's finalize step must not all-reduce it again: not marked sequence_parallel
         sp = bool(getattr(self.config, "sequence_parallel", False))
         self._token_rows = self.weight.shape[-1] == getattr(self.config, "hidden_size", None)
-        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
-        self._grouped = self._token_rows and tpm.groups_for(tp) is not None
+        self._grouped = self._token_rows and tpm.groups_for(_config_tp(self.config)) is not None
         self.weight.sequence_parallel = sp and not self._grouped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H] in x.dtype."""
-        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+        tp = _config_tp(self.config)
         groups = tpm.groups_for(tp)
         if not self._token_rows:  # q / k head norms: [..., heads of this rank, D]
             if groups is None:
@@ -266,6 +264,10 @@ class RLRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _config_tp(config: Any) -> int:
+    return int(getattr(config, "tensor_model_parallel_size", 1) or 1)
 
 
 def _tp_group() -> Any:

@@ -32,13 +32,7 @@ from rl_engine.ops._common import tree_sum
 from rl_engine.ops.det_gemm.tp import Exchange, allowed_degrees, combine, pair_tree
 from rl_engine.registry import KernelRegistry, resolve_provider
 
-__all__ = ["family", "head_wgrad", "rms_norm_heads_tp", "row_group_wgrad", "rms_norm_tp"]
-
-
-def family(device: torch.device | str = "cpu", groups: int = 8) -> str:
-    """The numerics family id of the grouped weight gradient on ``device``."""
-    name = resolve_provider("rms_norm", torch.device(device).type)
-    return f"rms_norm_tp/g{groups}[{KernelRegistry.provider('rms_norm', name).numerics}]"
+__all__ = ["head_wgrad", "rms_norm_heads_tp", "row_group_wgrad", "rms_norm_tp"]
 
 
 def row_group_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float, groups: int,
