@@ -1,0 +1,277 @@
+"""Benchmark of the TP-invariant exchange against NCCL's all-reduce, on 2 / 4 / 8 GPUs of one host.
+
+Usage: ``python benchmarks/bench_tp_exchange.py [--out DIR] [--quick] [--ranks N]``
+(``--device cpu``: gloo ranks on the CPU, small shapes: a smoke run of the script, not a
+measurement; tests/test_bench_tp_exchange.py).
+
+Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at every TP degree
+``t`` (powers of two from 2 up to the GPU count, at most 8), bf16, hidden 4096:
+
+* ``collective``: combining the ranks' ``[M, 4096]`` partials of a row-parallel layer. Baseline:
+  what Megatron / vLLM run, ``all_reduce`` of the bf16 partials (NCCL picks the order: not
+  TP-invariant); rl_engine: ``Exchange`` on the fp32 subtrees (all-to-all of column blocks, the
+  tree's top levels + one rounding on the own block, all-gather of the bf16 blocks). With
+  sequence parallelism: NCCL ``reduce_scatter`` of bf16 vs ``Exchange.scatter``. Bytes a rank
+  sends are in the rows (``ring`` = ``2 (t-1)/t * 2MN``, exchange ``(t-1)/t * 6MN``).
+* ``layer``: a whole row-parallel layer's forward on its shard, Llama-3-8B ``o_proj`` (K 4096) and
+  ``down_proj`` (K 14336): cuBLAS GEMM + NCCL all-reduce (stock) vs ``tp_linear(parallel="row")``
+  (the 8 / t group products, the pair tree, the exchange), and whether rank 0's output equals
+  the TP = 1 grouped product bitwise (``det_gemm_tp`` on one device).
+
+Times: CUDA events around ``iters`` back-to-back calls after a barrier, the slowest rank's
+median of 5 repeats (microseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+HIDDEN = 4096
+LAYERS = (("o_proj", 4096), ("down_proj", 14336))  # Llama-3-8B row-parallel layers: (name, K)
+SMOKE = {"hidden": 256, "layers": (("o_proj", 256), ("down_proj", 896))}  # --device cpu
+
+
+def _timer(dist, group, cuda: bool, iters: int):
+    """``timed(fn)``: median over 5 repeats of ``iters`` calls, slowest rank, microseconds."""
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        reps = []
+        for _ in range(5):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier(group=group)
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(iters):
+                    fn()
+                e.record()
+                e.synchronize()
+                reps.append(s.elapsed_time(e) * 1e3 / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                reps.append((time.perf_counter() - t0) * 1e6 / iters)
+        t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
+        t = t.cuda() if cuda else t
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
+    return timed
+
+
+def _collective_rows(dist, group, t, rank, dev, timed, tokens, hidden) -> list[dict]:
+    from rl_engine.adapters.megatron.modules import _exchange
+
+    ex = _exchange(group)
+    return [_collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) for m in tokens]
+
+
+def _collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) -> dict:
+    sub = torch.randn(m, hidden, device=dev)  # this rank's fp32 subtree
+    part = sub.to(torch.bfloat16)
+    rs_out = torch.empty(m // t, hidden, device=dev, dtype=torch.bfloat16)
+    mn = m * hidden
+    r = {
+        "part": "collective",
+        "tp": t,
+        "tokens": m,
+        "hidden": hidden,
+        # NCCL reduces in place: each call reduces a fresh copy (the copy's time is clone_us)
+        "all_reduce_us": timed(lambda: dist.all_reduce(part.clone(), group=group)),
+        "clone_us": timed(lambda: part.clone()),
+        "exchange_us": timed(lambda: ex(sub, None, torch.bfloat16)),
+        "ring_bytes_per_rank": 2 * (t - 1) / t * 2 * mn,
+        "exchange_bytes_per_rank": (t - 1) / t * 6 * mn,
+    }
+    # the baseline without its copy (the faster of the two readings: conservative for us)
+    r["all_reduce_net_us"] = max(r["all_reduce_us"] - r["clone_us"], 1e-3)
+    r["ratio"] = r["exchange_us"] / r["all_reduce_net_us"]
+    if dev.type == "cuda":  # gloo has no reduce-scatter
+        r["reduce_scatter_us"] = timed(
+            lambda: dist.reduce_scatter_tensor(rs_out, part, group=group)
+        )
+        r["exchange_scatter_us"] = timed(lambda: ex.scatter(sub, None, torch.bfloat16))
+        r["scatter_ratio"] = r["exchange_scatter_us"] / r["reduce_scatter_us"]
+    if rank == 0:
+        print(f"TP {t} M={m:5d}: all-reduce {r['all_reduce_net_us']:8.1f} us, exchange "
+              f"{r['exchange_us']:8.1f} us ({r['ratio']:.2f}x)"
+              + (f"; reduce-scatter {r['reduce_scatter_us']:8.1f} us, exchange.scatter "
+                 f"{r['exchange_scatter_us']:8.1f} us ({r['scatter_ratio']:.2f}x)"
+                 if "scatter_ratio" in r else ""), flush=True)  # fmt: skip
+    return r
+
+
+def _layer_rows(dist, group, t, rank, dev, timed, tokens, hidden, layers) -> list[dict]:
+    from rl_engine.adapters.megatron.modules import _exchange
+
+    ex = _exchange(group)
+    return [
+        _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex)
+        for name, k in layers
+        for m in tokens
+    ]
+
+
+def _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex) -> dict:
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(1000 + k + m)  # the same full tensors on every rank
+    x = torch.randn(m, k, generator=g).to(dev, dt)
+    w = (torch.randn(hidden, k, generator=g) / k**0.5).to(dev, dt)
+    lo, hi = rank * k // t, (rank + 1) * k // t
+    xs, ws = x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous()
+
+    def stock():
+        y = xs @ ws.t()
+        dist.all_reduce(y, group=group)
+        return y
+
+    def ours():
+        return tpm.tp_linear(xs, ws, None, parallel="row", exchange=ex, tp=t)
+
+    out = ours()
+    same = bool(torch.equal(out, tpm.det_gemm_tp(x, w.t()))) if rank == 0 else None
+    r = {
+        "part": "layer",
+        "layer": name,
+        "tp": t,
+        "tokens": m,
+        "k": k,
+        "n": hidden,
+        "stock_us": timed(stock),
+        "rl_engine_us": timed(ours),
+        "bitwise_equal_tp1": same,
+    }
+    r["ratio"] = r["rl_engine_us"] / r["stock_us"]
+    if rank == 0:
+        print(f"TP {t} {name} M={m:5d}: cuBLAS + all-reduce {r['stock_us']:8.1f} us, "
+              f"grouped + exchange {r['rl_engine_us']:8.1f} us ({r['ratio']:.2f}x), "
+              f"== TP 1: {same}", flush=True)  # fmt: skip
+    return r
+
+
+def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
+    from rl_engine.testing._spawn import init
+
+    dist = init(rank, world, store)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    torch.manual_seed(rank)
+    if cuda:
+        tokens = (1024, 8192) if quick else (256, 1024, 4096, 8192, 16384)
+        layer_tokens = (8192,) if quick else (1024, 4096, 8192)
+        iters = 10 if quick else 20
+        hidden, layers = HIDDEN, LAYERS
+    else:
+        tokens, layer_tokens, iters = (64,), (16,), 2
+        hidden, layers = SMOKE["hidden"], SMOKE["layers"]
+    degrees = [d for d in (2, 4, 8) if d <= world]
+    rows: list[dict] = []
+    for t in degrees:
+        group = dist.new_group(list(range(t)))
+        if rank < t:
+            timed = _timer(dist, group, cuda, iters)
+            rows += _collective_rows(dist, group, t, rank, dev, timed, tokens, hidden)
+            rows += _layer_rows(dist, group, t, rank, dev, timed, layer_tokens, hidden, layers)
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    coll = [r for r in rows if r["part"] == "collective"]
+    layer = [r for r in rows if r["part"] == "layer"]
+
+    def draw(axes):
+        ax = axes[0]
+        for t in sorted({r["tp"] for r in coll}):
+            rs = sorted((r for r in coll if r["tp"] == t), key=lambda r: r["tokens"])
+            ax.plot([r["tokens"] for r in rs], [r["ratio"] for r in rs], "o-", label=f"TP {t}")
+            if all("scatter_ratio" in r for r in rs):
+                ax.plot([r["tokens"] for r in rs], [r["scatter_ratio"] for r in rs], "s--",
+                        label=f"TP {t}, SP (vs reduce-scatter)")  # fmt: skip
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.5, color="g", ls="--", lw=0.8, label="bytes ratio 1.5")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens (rows of [M, hidden])")
+        ax.set_ylabel("time / NCCL bf16 collective")
+        ax.set_title("exchange vs NCCL all-reduce")
+        ax.legend(fontsize=7)
+        ax = axes[1]
+        labels = [f"{r['layer']}\nTP{r['tp']} M{r['tokens']}" for r in layer]
+        ax.bar(range(len(layer)), [r["ratio"] for r in layer])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(layer)), labels, fontsize=6, rotation=90)
+        ax.set_ylabel("time / (cuBLAS + NCCL all-reduce)")
+        ax.set_title("row-parallel layer forward")
+
+    common.save_figure(path, draw, ncols=2, figsize=(12, 4.8))
+
+
+def main() -> int:
+    def extra(p):
+        p.add_argument("--ranks", type=int, default=None, help="processes (default: every GPU)")
+        p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+
+    args = common.parse_args(__doc__.splitlines()[0], extra)
+    from rl_engine.testing._spawn import spawn
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = args.ranks or (min(gpus, 8) if args.device == "cuda" else 2)
+    if args.device == "cuda" and ranks < 2:
+        print(f"tp_exchange: needs 2+ GPUs, {gpus} visible; nothing to measure")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        spawn(_worker, ranks, (out, args.quick), args.device)
+        rows = json.loads(Path(out).read_text())
+    coll = [r for r in rows if r["part"] == "collective"]
+    layer = [r for r in rows if r["part"] == "layer"]
+    summary = {}
+    for t in sorted({r["tp"] for r in coll}):
+        big = [r for r in coll if r["tp"] == t and r["tokens"] >= 4096] or [
+            r for r in coll if r["tp"] == t
+        ]
+        summary[f"tp{t}_exchange_vs_all_reduce"] = common.geomean([r["ratio"] for r in big])
+        if all("scatter_ratio" in r for r in big):
+            summary[f"tp{t}_scatter_vs_reduce_scatter"] = common.geomean(
+                [r["scatter_ratio"] for r in big]
+            )
+        lr = [r for r in layer if r["tp"] == t]
+        summary[f"tp{t}_layer_vs_stock"] = common.geomean([r["ratio"] for r in lr])
+    summary["layers_bitwise_equal_tp1"] = all(r["bitwise_equal_tp1"] for r in layer)
+    fields = {
+        "ranks": ranks,
+        "backend": "nccl" if args.device == "cuda" else "gloo (smoke run, not a measurement)",
+        "baseline": "NCCL all_reduce / reduce_scatter_tensor of the bf16 partials; layer: "
+        "cuBLAS bf16 GEMM of the shard + NCCL all_reduce",
+        "ratio_definition": "rl_engine time / baseline time (lower is better); the all-reduce's "
+        "time without the copy of its input (all_reduce_us - clone_us)",
+        "bytes_ratio_on_paper": 1.5,
+    }
+    common.finish(args.out, "tp_exchange", fields, summary=summary, rows=rows, plot=plot)
+    return 0 if summary["layers_bitwise_equal_tp1"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""``benchmarks/bench_tp_exchange.py`` runs on GPUs only after a device call starts; its gloo
+smoke mode (2 CPU ranks, small shapes) runs every path here: the exchange against the
+all-reduce, the row-parallel layer on its shards, rank 0's output against the TP = 1 product,
+the JSON and the figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tp_exchange_bench_smoke(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_tp_exchange.py"),
+           "--device", "cpu", "--quick", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads((tmp_path / "tp_exchange.json").read_text())
+    layers = [r for r in rep["rows"] if r["part"] == "layer"]
+    assert {r["layer"] for r in layers} == {"o_proj", "down_proj"}
+    assert all(r["bitwise_equal_tp1"] is True for r in layers)
+    assert rep["summary"]["layers_bitwise_equal_tp1"] is True
+    assert all(r["exchange_us"] > 0 and r["all_reduce_us"] > 0
+               for r in rep["rows"] if r["part"] == "collective")  # fmt: skip
