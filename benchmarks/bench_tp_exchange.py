@@ -15,11 +15,13 @@ Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at 
   sends are in the rows (``ring`` = ``2 (t-1)/t * 2MN``, exchange ``(t-1)/t * 6MN``).
 * ``layer``: a whole row-parallel layer's forward on its shard, Llama-3-8B ``o_proj`` (K 4096) and
   ``down_proj`` (K 14336): cuBLAS GEMM + NCCL all-reduce (stock) vs ``tp_linear(parallel="row")``
-  (the 8 / t group products, the pair tree, the exchange), and whether rank 0's output equals
-  the TP = 1 grouped product bitwise (``det_gemm_tp`` on one device).
+  (the 8 / t group products, the pair tree, the exchange), and whether the output equals
+  the TP = 1 grouped product bitwise on every rank (``det_gemm_tp`` on one device; 1,021 tokens
+  take the exchange's column-block path, the other counts its row blocks).
 
 Times: CUDA events around ``iters`` back-to-back calls after a barrier, the slowest rank's
-median of 5 repeats (microseconds).
+median of 5 repeats (microseconds); eager (what a trainer pays, host launch cost included) and
+replayed from a CUDA graph (``*_graph_us``: GPU time only, what vLLM's CUDA graphs pay).
 """
 
 from __future__ import annotations
@@ -45,45 +47,83 @@ SMOKE = {"hidden": 256, "layers": (("o_proj", 256), ("down_proj", 896))}  # --de
 
 
 def _timer(dist, group, cuda: bool, iters: int):
-    """``timed(fn)``: median over 5 repeats of ``iters`` calls, slowest rank, microseconds."""
+    """``timed(fn)``: median over 5 repeats of ``iters`` eager calls, slowest rank,
+    microseconds; ``graphed(fn)``: the same calls captured in one CUDA graph and replayed (GPU
+    time only, as vLLM's CUDA graphs run them: no host launch cost), or ``None`` without CUDA
+    or when the capture fails (the reason printed)."""
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        reps = []
-        for _ in range(5):
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier(group=group)
-            if cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(iters):
-                    fn()
-                e.record()
-                e.synchronize()
-                reps.append(s.elapsed_time(e) * 1e3 / iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                reps.append((time.perf_counter() - t0) * 1e6 / iters)
+    def slowest(reps: list[float]) -> float:
         t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
         t = t.cuda() if cuda else t
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
 
-    return timed
+    def run_timed(launch) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=group)
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            launch()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) * 1e3 / iters
+        t0 = time.perf_counter()
+        launch()
+        return (time.perf_counter() - t0) * 1e6 / iters
+
+    def many(fn):
+        def launch():
+            for _ in range(iters):
+                fn()
+
+        return launch
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        return slowest([run_timed(many(fn)) for _ in range(5)])
+
+    def graphed(fn) -> float | None:
+        if not cuda:
+            return None
+        ok = torch.ones(1, device="cuda")
+        graph = None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                many(fn)()
+        except Exception as exc:  # said, and the row says None
+            print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", flush=True)
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not bool(ok.item()):
+            return None
+        reps = [run_timed(graph.replay) for _ in range(5)]
+        del graph
+        return slowest(reps)
+
+    return timed, graphed
 
 
-def _collective_rows(dist, group, t, rank, dev, timed, tokens, hidden) -> list[dict]:
+def _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dict]:
     from rl_engine.adapters.megatron.modules import _exchange
 
     ex = _exchange(group)
-    return [_collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) for m in tokens]
+    return [_collective_case(dist, group, t, rank, dev, timers, m, hidden, ex) for m in tokens]
 
 
-def _collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) -> dict:
+def _collective_case(dist, group, t, rank, dev, timers, m, hidden, ex) -> dict:
+    timed, graphed = timers
     sub = torch.randn(m, hidden, device=dev)  # this rank's fp32 subtree
     part = sub.to(torch.bfloat16)
     rs_out = torch.empty(m // t, hidden, device=dev, dtype=torch.bfloat16)
@@ -100,6 +140,13 @@ def _collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) -> dict:
         "ring_bytes_per_rank": 2 * (t - 1) / t * 2 * mn,
         "exchange_bytes_per_rank": (t - 1) / t * 6 * mn,
     }
+    graph = {
+        "all_reduce_graph_us": graphed(lambda: dist.all_reduce(part, group=group)),
+        "exchange_graph_us": graphed(lambda: ex(sub, None, torch.bfloat16)),
+    }
+    r.update(graph)
+    if None not in graph.values():
+        r["graph_ratio"] = graph["exchange_graph_us"] / graph["all_reduce_graph_us"]
     # the baseline without its copy (the faster of the two readings: conservative for us)
     r["all_reduce_net_us"] = max(r["all_reduce_us"] - r["clone_us"], 1e-3)
     r["ratio"] = r["exchange_us"] / r["all_reduce_net_us"]
@@ -114,22 +161,25 @@ def _collective_case(dist, group, t, rank, dev, timed, m, hidden, ex) -> dict:
               f"{r['exchange_us']:8.1f} us ({r['ratio']:.2f}x)"
               + (f"; reduce-scatter {r['reduce_scatter_us']:8.1f} us, exchange.scatter "
                  f"{r['exchange_scatter_us']:8.1f} us ({r['scatter_ratio']:.2f}x)"
-                 if "scatter_ratio" in r else ""), flush=True)  # fmt: skip
+                 if "scatter_ratio" in r else "")
+              + (f"; graph replay {r['graph_ratio']:.2f}x" if "graph_ratio" in r else ""),
+              flush=True)  # fmt: skip
     return r
 
 
-def _layer_rows(dist, group, t, rank, dev, timed, tokens, hidden, layers) -> list[dict]:
+def _layer_rows(dist, group, t, rank, dev, timers, tokens, hidden, layers) -> list[dict]:
     from rl_engine.adapters.megatron.modules import _exchange
 
     ex = _exchange(group)
     return [
-        _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex)
+        _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex)
         for name, k in layers
         for m in tokens
     ]
 
 
-def _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex) -> dict:
+def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex) -> dict:
+    timed, graphed = timers
     from rl_engine.ops.det_gemm import tp as tpm
 
     dt = torch.bfloat16
@@ -147,8 +197,10 @@ def _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex) -> dic
     def ours():
         return tpm.tp_linear(xs, ws, None, parallel="row", exchange=ex, tp=t)
 
-    out = ours()
-    same = bool(torch.equal(out, tpm.det_gemm_tp(x, w.t()))) if rank == 0 else None
+    # every rank's output == the TP = 1 grouped product (one device), all ranks agreeing
+    ok = torch.tensor([float(torch.equal(ours(), tpm.det_gemm_tp(x, w.t())))], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    same = bool(ok.item())
     r = {
         "part": "layer",
         "layer": name,
@@ -161,10 +213,15 @@ def _layer_case(dist, group, t, rank, dev, timed, m, hidden, name, k, ex) -> dic
         "bitwise_equal_tp1": same,
     }
     r["ratio"] = r["rl_engine_us"] / r["stock_us"]
+    r["stock_graph_us"], r["rl_engine_graph_us"] = graphed(stock), graphed(ours)
+    if r["stock_graph_us"] and r["rl_engine_graph_us"]:
+        r["graph_ratio"] = r["rl_engine_graph_us"] / r["stock_graph_us"]
     if rank == 0:
         print(f"TP {t} {name} M={m:5d}: cuBLAS + all-reduce {r['stock_us']:8.1f} us, "
               f"grouped + exchange {r['rl_engine_us']:8.1f} us ({r['ratio']:.2f}x), "
-              f"== TP 1: {same}", flush=True)  # fmt: skip
+              f"== TP 1: {same}"
+              + (f"; graph replay {r['graph_ratio']:.2f}x" if "graph_ratio" in r else ""),
+              flush=True)  # fmt: skip
     return r
 
 
@@ -177,20 +234,21 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
     torch.manual_seed(rank)
     if cuda:
         tokens = (1024, 8192) if quick else (256, 1024, 4096, 8192, 16384)
-        layer_tokens = (8192,) if quick else (1024, 4096, 8192)
+        # 1021 rows do not split over the ranks: the exchange's column-block path
+        layer_tokens = (1021, 8192) if quick else (1021, 1024, 4096, 8192)
         iters = 10 if quick else 20
         hidden, layers = HIDDEN, LAYERS
     else:
-        tokens, layer_tokens, iters = (64,), (16,), 2
+        tokens, layer_tokens, iters = (64,), (16, 13), 2
         hidden, layers = SMOKE["hidden"], SMOKE["layers"]
     degrees = [d for d in (2, 4, 8) if d <= world]
     rows: list[dict] = []
     for t in degrees:
         group = dist.new_group(list(range(t)))
         if rank < t:
-            timed = _timer(dist, group, cuda, iters)
-            rows += _collective_rows(dist, group, t, rank, dev, timed, tokens, hidden)
-            rows += _layer_rows(dist, group, t, rank, dev, timed, layer_tokens, hidden, layers)
+            timers = _timer(dist, group, cuda, iters)
+            rows += _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden)
+            rows += _layer_rows(dist, group, t, rank, dev, timers, layer_tokens, hidden, layers)
         dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -257,8 +315,14 @@ def main() -> int:
             summary[f"tp{t}_scatter_vs_reduce_scatter"] = common.geomean(
                 [r["scatter_ratio"] for r in big]
             )
+        if all("graph_ratio" in r for r in big):
+            summary[f"tp{t}_exchange_vs_all_reduce_graph"] = common.geomean(
+                [r["graph_ratio"] for r in big]
+            )
         lr = [r for r in layer if r["tp"] == t]
         summary[f"tp{t}_layer_vs_stock"] = common.geomean([r["ratio"] for r in lr])
+        if lr and all("graph_ratio" in r for r in lr):
+            summary[f"tp{t}_layer_vs_stock_graph"] = common.geomean([r["graph_ratio"] for r in lr])
     summary["layers_bitwise_equal_tp1"] = all(r["bitwise_equal_tp1"] for r in layer)
     fields = {
         "ranks": ranks,

@@ -145,32 +145,64 @@ def test_family_names_provider():
     assert tpm.family("cpu", "native") == "det_gemm_tp/g8[det_gemm/native-k16]"
 
 
+class _SimGroup:
+    """``t`` ranks in threads: the all-to-all and the all-gather meet at a barrier, each rank
+    receives what the collectives would give it (no process group, any exchange body)."""
+
+    def __init__(self, t: int) -> None:
+        import threading
+
+        self.t, self.slots, self.barrier = t, [None] * t, threading.Barrier(t)
+
+    def _share(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.barrier.wait()
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+    def exchange(self, rank: int):
+        def all_to_all(x):
+            assert x.shape[0] == self.t
+            return torch.stack([other[rank] for other in self._share(rank, x)])
+
+        def all_gather(x):
+            return torch.cat(self._share(rank, x))
+
+        return tpm.Exchange(all_to_all, all_gather, rank, self.t)
+
+
+def _run_ranks(t: int, fn) -> list:
+    """``fn(rank, exchange)`` on ``t`` threads sharing one :class:`_SimGroup`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    grp = _SimGroup(t)
+    with ThreadPoolExecutor(t) as pool:
+        return list(pool.map(lambda r: fn(r, grp.exchange(r)), range(t)))
+
+
+@pytest.mark.parametrize("rows", [8, 6, 7])  # row blocks (8 / t rows each); column blocks
 @pytest.mark.parametrize("tp", [2, 4])
-def test_exchange_equals_combine(tp):
-    """The all-to-all + all-gather exchange, simulated rank by rank, gives the bits of
-    ``finish(combine(subtrees), bias)`` on every rank."""
+def test_exchange_equals_combine(tp, rows):
+    """The all-to-all + all-gather exchange (row blocks when the rows split evenly, else column
+    blocks), ``t`` ranks in threads, gives the bits of ``finish(combine(subtrees), bias)`` on
+    every rank; ``scatter`` gives each rank its rows of it (sequence parallelism)."""
     g = torch.Generator().manual_seed(5)
-    subs = [torch.randn(6, 16, generator=g) for _ in range(tp)]
-    bias = torch.randn(16, generator=g).to(torch.bfloat16)
-    want = tpm.finish(tpm.combine(subs), bias, torch.bfloat16)
-    w = 16 // tp
-    blocks = [s.view(6, tp, w).transpose(0, 1).contiguous() for s in subs]
-    own = [
-        tpm.finish(
-            tpm.combine([blocks[r][j] for r in range(tp)]),
-            bias[j * w : (j + 1) * w],
-            torch.bfloat16,
-        )
-        for j in range(tp)
-    ]
-    for rank in range(tp):
-        ex = tpm.Exchange(
-            lambda x, rank=rank: torch.stack([blocks[r][rank] for r in range(tp)]),
-            lambda x: own,
-            rank,
-            tp,
-        )
-        assert torch.equal(ex(subs[rank], bias, torch.bfloat16), want)
+    subs = [torch.randn(rows, 16, generator=g) * 10.0 ** (r - 2) for r in range(tp)]
+    for dt in (torch.bfloat16, torch.float32):  # fp32: the combine's bits, unrounded
+        bias = torch.randn(16, generator=g).to(dt)
+        want = tpm.finish(tpm.combine(subs), bias, dt)
+        got = _run_ranks(tp, lambda r, ex, bias=bias, dt=dt: ex(subs[r], bias, dt))
+        for rank, out in enumerate(got):
+            assert torch.equal(out, want), f"{dt}, rank {rank}"
+        if rows % tp == 0:
+            h = rows // tp
+            got = _run_ranks(tp, lambda r, ex, bias=bias, dt=dt: ex.scatter(subs[r], bias, dt))
+            for rank, out in enumerate(got):
+                assert torch.equal(out, want[rank * h : (rank + 1) * h]), f"scatter, rank {rank}"
+    if tp == 4:  # the control: the same partials added left to right give other bits
+        assert not torch.equal(tpm.finish(sum(subs), bias, torch.float32), want)
 
 
 def _triton_or_skip():

@@ -46,9 +46,9 @@ def test_sequence_parallel_blocks_equal_tp1(t, m, backend):
     subs = [norm_tp.row_group_wgrad(grad[s], x[s], 1e-6, 8 // t, backend) for s in rows]
     for r, s in enumerate(rows):
 
-        def gather(sub, r=r):
-            assert torch.equal(sub, subs[r])
-            return subs
+        def gather(sub, r=r):  # every rank's [1, H], concatenated in rank order
+            assert torch.equal(sub, subs[r][None])
+            return torch.cat([x[None] for x in subs])
 
         dx, dw = _grads(x[s], grad[s], w, backend, exchange=Exchange(None, gather, r, t))
         assert torch.equal(dx, dx1[s]), f"rank {r}: input gradient"
@@ -115,7 +115,7 @@ def test_head_blocks_equal_tp1(t, backend):
 
         def gather(p, r=r):
             assert torch.equal(p, parts[r])
-            return parts
+            return torch.cat(parts)
 
         for sole in (False, True):
             ex = Exchange(None, gather, r, t)

@@ -128,20 +128,7 @@ class RLColumnParallelLinear(ColumnParallelLinear):
 
 def _exchange(group: Any):
     """The TP group's combine of fp32 subtrees (all-to-all + all-gather; gloo or NCCL)."""
-    dist = torch.distributed
-    world = dist.get_world_size(group)
-
-    def all_to_all(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    def all_gather(x: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)
-        return parts
-
-    return tpm.Exchange(all_to_all, all_gather, dist.get_rank(group), world)
+    return tpm.Exchange.over(group)
 
 
 def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,

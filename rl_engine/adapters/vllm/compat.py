@@ -260,7 +260,6 @@ def tp_exchange() -> str:
 def build_tp_exchange(name: str) -> Any:
     """:class:`rl_engine.ops.det_gemm.tp.Exchange` over ``get_tp_group()``'s device group
     (all-to-all + all-gather, gloo or NCCL); ``name`` must be that group's (:func:`tp_exchange`)."""
-    import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
     from rl_engine.ops.det_gemm import tp as tpm
@@ -270,19 +269,11 @@ def build_tp_exchange(name: str) -> Any:
         raise RuntimeError(
             f"TP exchange {name!r}: this process's vLLM TP group is {g.unique_name!r}"
         )
-    group, world = g.device_group, g.world_size
-
-    def all_to_all(x):
-        out = x.new_empty(x.shape)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    def all_gather(x):
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)
-        return parts
-
-    return tpm.Exchange(all_to_all, all_gather, g.rank_in_group, world)
+    exchange = tpm.Exchange.over(g.device_group)
+    if exchange.rank != g.rank_in_group:
+        raise RuntimeError(f"TP exchange {name!r}: device-group rank {exchange.rank} is not "
+                           f"the TP rank {g.rank_in_group}")  # fmt: skip
+    return exchange
 
 
 STRUCTURAL_MODULES = (

@@ -179,51 +179,82 @@ class Exchange:
     """How the ranks of a TP group combine their fp32 subtrees (TP = 1: one rank, no traffic).
 
     * ``ex(sub, bias, dtype)``: the whole ``[M, N]`` result on every rank. 1. all-to-all of the
-      subtrees' column blocks (rank ``j`` receives every rank's block ``j``), 2. the tree's top
-      levels, the bias and one rounding on the own block, 3. all-gather of the rounded blocks.
-      A rank sends ``(t-1)/t`` of an fp32 ``[M, N]`` and of a 16-bit one: 1.5x the bytes of a
-      bf16 ring all-reduce at every degree.
-    * ``ex.scatter(sub, bias, dtype)``: sequence parallelism's reduce-scatter: the all-to-all of
-      *row* blocks and the combine of the own rows, no all-gather (1x a ring reduce-scatter's
-      bytes in fp32, 2x in bf16 terms).
+      subtrees' row blocks (rank ``j`` receives every rank's block ``j``; column blocks when the
+      ``M`` rows do not split evenly), 2. the tree's top levels, the bias and one rounding on the
+      own block, 3. all-gather of the rounded blocks. A rank sends ``(t-1)/t`` of an fp32
+      ``[M, N]`` and of a 16-bit one: 1.5x the bytes of a bf16 ring all-reduce at every degree.
+    * ``ex.scatter(sub, bias, dtype)``: sequence parallelism's reduce-scatter: steps 1 and 2 on
+      row blocks, no all-gather (1x a ring reduce-scatter's bytes in fp32, 2x in bf16 terms).
     * ``ex.gather_rows(x)``: all-gather along rows (exact copies).
 
-    Every output element is combined by one rank in the order of ``finish(combine(subtrees))``:
-    the same bits as one device. ``all_to_all(x)``: ``x`` [t, ...] -> [t, ...] with ``out[r]``
-    = rank ``r``'s ``x[rank]``; ``all_gather(x)``: every rank's ``x`` in rank order (a list).
+    Every output element is combined by one rank in the order of ``finish(combine(subtrees))``,
+    whichever block it is in: the same bits as one device. ``all_to_all(x)``: ``x`` [t, ...] ->
+    [t, ...] with ``out[r]`` = rank ``r``'s ``x[rank]``; ``all_gather(x)``: every rank's ``x``
+    in rank order, concatenated along dim 0 (one ``[t * rows, ...]`` tensor: the row-block
+    path's result needs no copy).
     """
 
     def __init__(self, all_to_all=None, all_gather=None, rank: int = 0, world: int = 1) -> None:
         self.all_to_all, self.all_gather = all_to_all, all_gather
         self.rank, self.world = rank, world
 
+    @classmethod
+    def over(cls, group: Any) -> Exchange:
+        """The exchange of a ``torch.distributed`` process group (gloo or NCCL): one
+        ``all_to_all_single`` and one all-gather into a single tensor."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        # torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated there)
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+        def all_to_all(x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x, group=group)
+            return out
+
+        def all_gather(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+            gather_into(out, x, group=group)
+            return out
+
+        return cls(all_to_all, all_gather, dist.get_rank(group), world)
+
     def _blocks(self, n: int, what: str) -> int:
         if n % self.world:
             raise ValueError(f"TP exchange: {n} {what} do not split over {self.world} ranks")
         return n // self.world
 
+    def _own(self, blocks: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        """Steps 1 and 2 for ``blocks`` [t, ...] (block ``j`` goes to rank ``j``): the own
+        block of every rank's subtree, combined (the received ``[t, ...]`` is the tree's
+        input as it stands: no stacking copy), plus ``bias``, rounded."""
+        return finish(pair_tree(self.all_to_all(blocks)), bias, dtype)
+
     def __call__(self, sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         if self.world == 1:
             return finish(sub, bias, dtype)
         m, n = sub.shape
+        if m % self.world == 0:  # row blocks: views in, the gathered rows are the result
+            return self.gather_rows(self.scatter(sub, bias, dtype))
         w = self._blocks(n, "output columns")
         blocks = sub.view(m, self.world, w).transpose(0, 1).contiguous()  # [t, M, N/t]
-        mine = combine(list(self.all_to_all(blocks).unbind(0)))
         own_bias = None if bias is None else bias[self.rank * w : (self.rank + 1) * w]
-        return torch.cat(self.all_gather(finish(mine, own_bias, dtype).contiguous()), dim=1)
+        mine = self._own(blocks, own_bias, dtype)  # [M, N/t]
+        got = self.all_gather(mine.contiguous())  # [t * M, N/t]
+        return got.view(self.world, m, w).transpose(0, 1).reshape(m, n)
 
     def scatter(self, sub: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         if self.world == 1:
             return finish(sub, bias, dtype)
         m, n = sub.shape
         h = self._blocks(m, "rows (tokens)")
-        mine = combine(list(self.all_to_all(sub.view(self.world, h, n).contiguous()).unbind(0)))
-        return finish(mine, bias, dtype)
+        return self._own(sub.contiguous().view(self.world, h, n), bias, dtype)
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return x
-        return torch.cat(self.all_gather(x.contiguous()), dim=0)
+        return self.all_gather(x.contiguous())
 
 
 _SINGLE = Exchange()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops._common import tree_sum
-from rl_engine.ops.det_gemm.tp import Exchange, allowed_degrees, combine, pair_tree
+from rl_engine.ops.det_gemm.tp import Exchange, allowed_degrees, pair_tree
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["head_wgrad", "rms_norm_heads_tp", "row_group_wgrad", "rms_norm_tp"]
@@ -122,7 +122,9 @@ def rms_norm_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gro
 
     def wgrad(g, r, provider):
         sub = row_group_wgrad(g, r, eps, local, provider)
-        return sub if world == 1 else combine(exchange.all_gather(sub.contiguous()))
+        if world == 1:
+            return sub
+        return pair_tree(exchange.all_gather(sub.contiguous()[None]))  # [t, H]: rank order
 
     return _with_wgrad(x, weight, eps, backend, wgrad)
 
@@ -150,7 +152,7 @@ def rms_norm_heads_tp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     def wgrad(g, r, provider):
         parts = head_wgrad(g, r, eps, provider)
         if world > 1:
-            parts = torch.cat(exchange.all_gather(parts.contiguous()))
+            parts = exchange.all_gather(parts.contiguous())  # [t * heads_local, D]
         dw = tree_sum(parts, dim=0)
         return torch.zeros_like(dw) if sole and exchange is not None and exchange.rank else dw
 
