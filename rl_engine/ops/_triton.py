@@ -17,11 +17,13 @@ from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.registry import Provider
 
 try:  # Triton is optional: without it every Triton provider reports why it cannot run.
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
 
     IMPORT_ERROR: str | None = None
 except Exception as exc:  # ImportError, or a broken install
     triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 try:  # what the cached launch path uses of Triton (present in the Triton versions we test)

@@ -48,6 +48,11 @@ import torch
 
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import FLOAT_DTYPES
+from rl_engine.ops._triton import (  # None without Triton: the provider says why
+    _TensorDescriptor,
+    tl,
+    triton,
+)
 from rl_engine.ops.det_gemm.config import (
     K_CHUNK,
     WGRAD_CHUNK,
@@ -57,17 +62,6 @@ from rl_engine.ops.det_gemm.config import (
     get_wgrad_config,
 )
 from rl_engine.ops.det_gemm.reference import _check
-
-try:  # Triton is optional: without it the provider reports why it cannot run.
-    import triton
-    import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = ["PROVIDER", "det_gemm", "det_gemm_wgrad"]
 

@@ -29,16 +29,11 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.poly_norm import reference
 
-try:  # Triton is optional: without it the provider reports why it cannot run.
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from rl_engine.ops.logp.triton import _tree_sum_rows
-except Exception:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
 
 __all__ = ["PROVIDER", "fused_mul_poly_norm", "poly_norm", "poly_norm_backward"]
 

@@ -32,17 +32,8 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.ratio_kl.args import check
-
-try:  # Triton is optional: without it the provider reports why it cannot run.
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = ["BLOCK_T", "PROVIDER", "ratio_kl", "ratio_kl_backward"]
 
