@@ -596,11 +596,18 @@ def run(
 _LOCK_ENV = "RL_ENGINE_FUZZ_LOCK"  # set by --workers: a file the shards of one run share
 
 
-def _is_oom(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error, from torch or from a Triton launch."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc)
-    )
+def _is_oom(exc: BaseException | None) -> bool:
+    """A CUDA out-of-memory error, from torch or from a Triton launch, also where another
+    error wraps it (``torch.testing`` re-raises what its comparison met as ``RuntimeError:
+    Comparing ...``, the out-of-memory error as its cause)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, torch.OutOfMemoryError) or (
+            isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 class _ShardLock:
