@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -131,6 +132,73 @@ def register_op(
         KernelRegistry.register_provider(
             stock_provider(op=op, numerics=numerics, fn=fn, extras=extras)
         )
+
+
+def _with_return(fn: Any, annotation: Any) -> Any:
+    """``fn``'s signature with another return annotation (for schema inference only)."""
+    import inspect
+
+    sig = inspect.signature(fn, eval_str=True)
+
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    stub.__signature__ = sig.replace(return_annotation=annotation)  # type: ignore[attr-defined]
+    return stub
+
+
+def provider_op(
+    op: str,
+    name: str,
+    spec: Any,
+    fake: Any,
+    extra: str | None = None,
+    *,
+    mutates_args: tuple[str, ...] = (),
+    returns: str | None = None,
+    arg_types: dict[str, str] | None = None,
+) -> Any:
+    """The custom op ``rl_engine::<name>`` of ``op``'s providers, in one place for every op.
+
+    Its schema is ``spec``'s signature (the reference function whose arguments every provider
+    of ``op`` takes, in order) plus a last ``provider: str``; its body runs that provider's
+    ``fn`` (``extra=None``) or ``extras[extra]`` with the other arguments, and ``fake`` (the same
+    arguments, no provider) gives torch.compile the outputs' metadata. What is particular to
+    an op (which tensors its autograd saves, how its entry checks and normalises arguments)
+    stays in the op's package. ``returns``: the schema's return type where ``spec``'s
+    annotation cannot say it (a variable-length tuple); ``arg_types``: an argument's schema
+    type where the op's is narrower than the spec's (``{"scale": "float"}``: the reference also
+    takes ``None``, the op gets the value the entry resolved)."""
+    from rl_engine.registry import KernelRegistry
+
+    if returns is not None:  # infer the arguments only
+        spec = _with_return(spec, torch.Tensor)
+    schema = torch.library.infer_schema(spec, mutates_args=mutates_args)
+    args, ret = schema.rsplit(") -> ", 1)
+    ret = returns or ret
+    # the op takes every argument positionally (the entry resolves the defaults)
+    args = re.sub(r"=[^,]+(?=,|$)", "", args)
+    for arg, typ in (arg_types or {}).items():
+        args, n = re.subn(rf"[^ ,(]+ {arg}(?=,|$)", f"{typ} {arg}", args)
+        if n != 1:
+            raise ValueError(f"provider_op {name}: no argument {arg!r} in {args})")
+    schema = f"{args}, str provider) -> {ret}"
+
+    def body(*args: Any) -> Any:
+        *rest, provider = args
+        p = KernelRegistry.provider(op, provider)
+        return (p.fn if extra is None else p.extras[extra])(*rest)
+
+    body.__name__ = body.__qualname__ = f"{name}_op"
+    custom = torch.library.custom_op(
+        f"rl_engine::{name}", body, mutates_args=mutates_args, schema=schema
+    )
+
+    @custom.register_fake
+    def _(*args: Any) -> Any:
+        return fake(*args[:-1])
+
+    return custom
 
 
 def register_triton(package: str, *also: str) -> None:

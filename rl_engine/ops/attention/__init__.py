@@ -18,55 +18,35 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.attention import reference
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["attention", "paged_attention", "write_kv_cache"]
 
 _OP = "attention"
+# the references take scale=None (1 / sqrt(head_dim)); the ops get the value the entry resolved
+_RESOLVED_SCALE = {"scale": "float"}
 
 
 # ----------------------------------------------------------------------------- attention
-@torch.library.custom_op("rl_engine::attention", mutates_args=())
-def _attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return KernelRegistry.provider(_OP, provider).fn(q, k, v, cu_seqlens, scale, causal)
-
-
-@_attention_op.register_fake
-def _(q, k, v, cu_seqlens, scale, causal, provider):
+def _attention_fake(q, k, v, cu_seqlens, scale, causal):
     reference._check_attention(q, k, v, cu_seqlens, scale, causal)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("rl_engine::attention_bwd", mutates_args=())
-def _attention_bwd_op(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    bwd = KernelRegistry.provider(_OP, provider).extras["attention_bwd"]
-    return bwd(dout, q, k, v, out, lse, cu_seqlens, scale, causal)
+_attention_op = provider_op(
+    _OP, "attention", reference.attention, _attention_fake, arg_types=_RESOLVED_SCALE
+)
 
 
-@_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, scale, causal, provider):
+def _attention_bwd_fake(dout, q, k, v, out, lse, cu_seqlens, scale, causal):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_attention_bwd_op = provider_op(
+    _OP, "attention_bwd", reference.attention_bwd, _attention_bwd_fake, "attention_bwd"
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -140,25 +120,19 @@ def attention(
 
 
 # ----------------------------------------------------------------------------- paged
-@torch.library.custom_op("rl_engine::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    provider: str,
-) -> torch.Tensor:
-    fn = KernelRegistry.provider(_OP, provider).extras["paged_attention"]
-    return fn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-
-
-@_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, provider):
+def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     return q.new_empty(q.shape)
+
+
+_paged_attention_op = provider_op(
+    _OP,
+    "paged_attention",
+    reference.paged_attention,
+    _paged_attention_fake,
+    "paged_attention",
+    arg_types=_RESOLVED_SCALE,
+)
 
 
 def _paged_backward(ctx, grad):
@@ -174,25 +148,21 @@ def _paged_setup_context(ctx, inputs, output):
 _paged_attention_op.register_autograd(_paged_backward, setup_context=_paged_setup_context)
 
 
-@torch.library.custom_op("rl_engine::paged_attention_out", mutates_args=("out",))
-def _paged_attention_out_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    provider: str,
-) -> None:
-    fn = KernelRegistry.provider(_OP, provider).extras["paged_attention_out"]
-    fn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out)
-
-
-@_paged_attention_out_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, provider):
+def _paged_attention_out_fake(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out
+):
     return None
+
+
+_paged_attention_out_op = provider_op(
+    _OP,
+    "paged_attention_out",
+    reference.paged_attention_out,
+    _paged_attention_out_fake,
+    "paged_attention_out",
+    mutates_args=("out",),
+    arg_types=_RESOLVED_SCALE,
+)
 
 
 def paged_attention(
@@ -244,23 +214,18 @@ def paged_attention(
 
 
 # ----------------------------------------------------------------------------- cache write
-@torch.library.custom_op("rl_engine::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def _write_kv_cache_op(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    provider: str,
-) -> None:
-    KernelRegistry.provider(_OP, provider).extras["write_kv_cache"](
-        k, v, k_cache, v_cache, slot_mapping
-    )
-
-
-@_write_kv_cache_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, provider):
+def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping):
     reference._check_write(k, v, k_cache, v_cache, slot_mapping)
+
+
+_write_kv_cache_op = provider_op(
+    _OP,
+    "write_kv_cache",
+    reference.write_kv_cache,
+    _write_kv_cache_fake,
+    "write_kv_cache",
+    mutates_args=("k_cache", "v_cache"),
+)
 
 
 def write_kv_cache(

@@ -10,34 +10,28 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.det_gemm import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["det_gemm", "det_gemm_cat"]
 
 
-@torch.library.custom_op("rl_engine::det_gemm", mutates_args=())
-def _det_gemm_op(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, provider: str
-) -> torch.Tensor:
-    return KernelRegistry.provider("det_gemm", provider).fn(a, b, bias)
-
-
-@_det_gemm_op.register_fake
-def _(a, b, bias, provider):
+def _det_gemm_fake(a, b, bias):
     reference._check(a, b, bias)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-@torch.library.custom_op("rl_engine::det_gemm_wgrad", mutates_args=())
-def _det_gemm_wgrad_op(a: torch.Tensor, grad: torch.Tensor, provider: str) -> torch.Tensor:
-    return KernelRegistry.provider("det_gemm", provider).extras["wgrad"](a, grad)
+_det_gemm_op = provider_op("det_gemm", "det_gemm", reference.det_gemm, _det_gemm_fake)
 
 
-@_det_gemm_wgrad_op.register_fake
-def _(a, grad, provider):
+def _det_gemm_wgrad_fake(a, grad):
     return a.new_empty((a.shape[1], grad.shape[1]), dtype=torch.float32)
+
+
+_det_gemm_wgrad_op = provider_op(
+    "det_gemm", "det_gemm_wgrad", reference.det_gemm_wgrad, _det_gemm_wgrad_fake, "wgrad"
+)
 
 
 def _setup_context(ctx, inputs, output):

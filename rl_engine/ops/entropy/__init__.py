@@ -9,44 +9,30 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.entropy import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import resolve_provider
 
 __all__ = ["entropy"]
 
 
-@torch.library.custom_op("rl_engine::entropy", mutates_args=())
-def _entropy_op(
-    logits: torch.Tensor, temperature: float, provider: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return KernelRegistry.provider("entropy", provider).extras["forward"](logits, temperature)
-
-
-@_entropy_op.register_fake
-def _(logits, temperature, provider):
+def _entropy_fake(logits, temperature):
     reference._check(logits, temperature)
     t = logits.shape[0]
     return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
 
 
-@torch.library.custom_op("rl_engine::entropy_backward", mutates_args=())
-def _entropy_backward_op(
-    logits: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad: torch.Tensor,
-    provider: str,
-) -> torch.Tensor:
-    fn = KernelRegistry.provider("entropy", provider).extras["backward"]
-    return fn(logits, temperature, lse, entropy, grad)
+_entropy_op = provider_op("entropy", "entropy", reference.entropy_forward, _entropy_fake, "forward")
 
 
-@_entropy_backward_op.register_fake
-def _(logits, temperature, lse, entropy, grad, provider):
+def _entropy_backward_fake(logits, temperature, lse, entropy, grad):
     return torch.empty_like(logits)
+
+
+_entropy_backward_op = provider_op(
+    "entropy", "entropy_backward", reference.entropy_backward, _entropy_backward_fake, "backward"
+)
 
 
 def _setup_context(ctx, inputs, output):

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.grpo_loss import reference
-from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, normalize
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, check, normalize
+from rl_engine.registry import resolve_provider
 
 __all__ = ["AGG_MODES", "GRPOLoss", "GRPOMetrics", "grpo_loss"]
 
@@ -66,69 +66,26 @@ class GRPOLoss(NamedTuple):
     metrics: GRPOMetrics
 
 
-@torch.library.custom_op("rl_engine::grpo_loss", mutates_args=())
-def _grpo_loss_op(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    opts = Options(
-        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
-    )
-    fn = KernelRegistry.provider("grpo_loss", provider).fn
-    return fn(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts)
-
-
-@_grpo_loss_op.register_fake
-def _(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts_and_provider):
-    check((logp, old_logp, advantages, mask, ref_logp, is_weights), opts_and_provider[:-1])
+def _grpo_loss_fake(logp, old_logp, advantages, mask, ref_logp, is_weights, *opts):
+    check((logp, old_logp, advantages, mask, ref_logp, is_weights), opts)
     return (
         logp.new_empty((), dtype=torch.float32),
         logp.new_empty((len(METRIC_NAMES),), dtype=torch.float32),
     )
 
 
-@torch.library.custom_op("rl_engine::grpo_loss_backward", mutates_args=())
-def _grpo_loss_backward_op(
-    grad: torch.Tensor,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-    provider: str,
-) -> torch.Tensor:
-    opts = Options(
-        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
-    )
-    backward = KernelRegistry.provider("grpo_loss", provider).extras["backward"]
-    return backward(grad, logp, old_logp, advantages, mask, ref_logp, is_weights, *opts)
-
-
-@_grpo_loss_backward_op.register_fake
-def _(grad, logp, *rest):
+def _grpo_loss_backward_fake(grad, logp, *rest):
     return torch.empty_like(logp)
+
+
+_grpo_loss_op = provider_op("grpo_loss", "grpo_loss", reference.grpo_loss, _grpo_loss_fake)
+_grpo_loss_backward_op = provider_op(
+    "grpo_loss",
+    "grpo_loss_backward",
+    reference.grpo_loss_backward,
+    _grpo_loss_backward_fake,
+    "backward",
+)
 
 
 def _setup_context(ctx, inputs, output):

@@ -10,29 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import resolve_provider
 
 __all__ = ["linear_logp"]
 
 
-@torch.library.custom_op("rl_engine::linear_logp", mutates_args=())
-def _linear_logp_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    return_entropy: bool,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fn = KernelRegistry.provider("linear_logp", provider).extras["forward"]
-    return fn(hidden, weight, tokens, temperature, return_entropy)
-
-
-@_linear_logp_op.register_fake
-def _(hidden, weight, tokens, temperature, return_entropy, provider):
+def _linear_logp_fake(hidden, weight, tokens, temperature, return_entropy):
     reference._check(hidden, weight, tokens, temperature, return_entropy)
     t = hidden.shape[0]
     f32 = torch.float32
@@ -43,37 +29,12 @@ def _(hidden, weight, tokens, temperature, return_entropy, provider):
     )
 
 
-@torch.library.custom_op("rl_engine::linear_logp_backward", mutates_args=())
-def _linear_logp_backward_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    need_dhidden: bool,
-    need_dweight: bool,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = KernelRegistry.provider("linear_logp", provider).extras["backward"]
-    return fn(
-        hidden,
-        weight,
-        tokens,
-        temperature,
-        lse,
-        entropy,
-        grad_logp,
-        grad_entropy,
-        need_dhidden,
-        need_dweight,
-    )
+_linear_logp_op = provider_op(
+    "linear_logp", "linear_logp", reference.linear_logp_forward, _linear_logp_fake, "forward"
+)
 
 
-@_linear_logp_backward_op.register_fake
-def _(
+def _linear_logp_backward_fake(
     hidden,
     weight,
     tokens,
@@ -84,11 +45,19 @@ def _(
     grad_entropy,
     need_dhidden,
     need_dweight,
-    provider,
 ):
     dh = torch.empty_like(hidden) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_dweight else weight.new_empty(0)
     return dh, dw
+
+
+_linear_logp_backward_op = provider_op(
+    "linear_logp",
+    "linear_logp_backward",
+    reference.linear_logp_backward,
+    _linear_logp_backward_fake,
+    "backward",
+)
 
 
 def _setup_context(ctx, inputs, output):

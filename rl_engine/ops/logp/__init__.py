@@ -9,43 +9,29 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["logp", "logp_at", "sampled_logp"]
 
 
-@torch.library.custom_op("rl_engine::logp", mutates_args=())
-def _logp_op(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, provider: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return KernelRegistry.provider("logp", provider).extras["forward"](logits, tokens, temperature)
-
-
-@_logp_op.register_fake
-def _(logits, tokens, temperature, provider):
+def _logp_fake(logits, tokens, temperature):
     reference._check(logits, tokens, temperature)
     t = logits.shape[0]
     return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
 
 
-@torch.library.custom_op("rl_engine::logp_backward", mutates_args=())
-def _logp_backward_op(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    grad: torch.Tensor,
-    provider: str,
-) -> torch.Tensor:
-    fn = KernelRegistry.provider("logp", provider).extras["backward"]
-    return fn(logits, tokens, temperature, lse, grad)
+_logp_op = provider_op("logp", "logp", reference.logp_forward, _logp_fake, "forward")
 
 
-@_logp_backward_op.register_fake
-def _(logits, tokens, temperature, lse, grad, provider):
+def _logp_backward_fake(logits, tokens, temperature, lse, grad):
     return torch.empty_like(logits)
+
+
+_logp_backward_op = provider_op(
+    "logp", "logp_backward", reference.logp_backward, _logp_backward_fake, "backward"
+)
 
 
 def _setup_context(ctx, inputs, output):

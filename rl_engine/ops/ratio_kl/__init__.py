@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.ratio_kl import reference
 from rl_engine.ops.ratio_kl.args import check, normalize
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import resolve_provider
 
 __all__ = ["RatioKL", "ratio_kl"]
 
@@ -67,38 +67,9 @@ _Out = tuple[
 ]
 
 
-@torch.library.custom_op("rl_engine::ratio_kl", mutates_args=())
-def _ratio_kl_op(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None,
-    log_ratio_clamp: float,
-    token_cap: float,
-    seq_cap: float,
-    token_mis_lo: float,
-    token_mis_hi: float,
-    seq_mis_lo: float,
-    seq_mis_hi: float,
-    geometric: bool,
-    provider: str,
-) -> _Out:
-    return KernelRegistry.provider("ratio_kl", provider).fn(
-        logp,
-        old_logp,
-        mask,
-        log_ratio_clamp,
-        token_cap,
-        seq_cap,
-        token_mis_lo,
-        token_mis_hi,
-        seq_mis_lo,
-        seq_mis_hi,
-        geometric,
-    )
-
-
-@_ratio_kl_op.register_fake
-def _(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi, geo, provider):
+def _ratio_kl_fake(
+    logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi, geo
+):
     check(logp, old_logp, mask, (log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, shi))
     b, t = logp.shape
     tok = [logp.new_empty((b, t), dtype=torch.float32) for _ in range(6)]
@@ -108,41 +79,25 @@ def _(logp, old_logp, mask, log_ratio_clamp, token_cap, seq_cap, tlo, thi, slo, 
     return (*tok, tok_keep, *seq, seq_keep)
 
 
-@torch.library.custom_op("rl_engine::ratio_kl_backward", mutates_args=())
-def _ratio_kl_backward_op(
-    g_log_ratio: torch.Tensor,
-    g_ratio: torch.Tensor,
-    g_k1: torch.Tensor,
-    g_k2: torch.Tensor,
-    g_k3: torch.Tensor,
-    g_seq_log_ratio: torch.Tensor,
-    g_seq_ratio: torch.Tensor,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None,
-    log_ratio_clamp: float,
-    geometric: bool,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return KernelRegistry.provider("ratio_kl", provider).extras["backward"](
-        g_log_ratio,
-        g_ratio,
-        g_k1,
-        g_k2,
-        g_k3,
-        g_seq_log_ratio,
-        g_seq_ratio,
-        logp,
-        old_logp,
-        mask,
-        log_ratio_clamp,
-        geometric,
-    )
+_ratio_kl_op = provider_op(
+    "ratio_kl", "ratio_kl", reference.ratio_kl, fake=_ratio_kl_fake,
+    returns="(" + ", ".join(["Tensor"] * 11) + ")",
+)  # fmt: skip
 
 
-@_ratio_kl_backward_op.register_fake
-def _(g1, g2, g3, g4, g5, g6, g7, logp, old_logp, mask, log_ratio_clamp, geometric, provider):
+def _ratio_kl_backward_fake(
+    g1, g2, g3, g4, g5, g6, g7, logp, old_logp, mask, log_ratio_clamp, geometric
+):
     return torch.empty_like(logp), torch.empty_like(old_logp)
+
+
+_ratio_kl_backward_op = provider_op(
+    "ratio_kl",
+    "ratio_kl_backward",
+    reference.ratio_kl_backward,
+    _ratio_kl_backward_fake,
+    "backward",
+)
 
 
 def _setup_context(ctx, inputs, output):
