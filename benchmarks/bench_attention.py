@@ -246,22 +246,13 @@ def main() -> None:
         "split_decode_kv_bw_frac": dec_s["kv_bw_frac"],
         "split_decode_equals_prefill": dec_s["decode_equals_prefill"],
     }
-    common.finish(
-        args.out,
-        "attention",
-        {
-            "provider": "triton (and triton_split rows)",
-            "baseline": "torch SDPA flash (prefill); SDPA flash/efficient over contiguous KV "
-            "(decode)",
-            "ratio_definition": "baseline_us / ours_us (higher is better)",
-            "bw_frac_definition": "KV bytes read / time / measured device copy bandwidth",
-            "limits": limits,
-        },
-        summary=summary,
-        rows=rows,
-        plot=plot,
-        digits=None,
-    )
+    common.finish_op(
+        args, limits, "attention", summary=summary, rows=rows, plot=plot, digits=None,
+        provider="triton (and triton_split rows)",
+        baseline="torch SDPA flash (prefill); SDPA flash/efficient over contiguous KV (decode)",
+        ratio="baseline_us / ours_us (higher is better)",
+        bw="KV bytes read / time / measured device copy bandwidth",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -120,15 +120,12 @@ def run(args, copy_tb_s: float) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    def draw(axes):
-        for ax, (fused, k) in zip(axes, [(f, k) for f in (False, True) for k in ("fwd", "bwd")]):
-            rs = [r for r in rows if r["fused_mul"] == fused]
-            name = "fused_mul_poly_norm" if fused else "poly_norm"
-            common.bw_lines(ax, rs, group=lambda r: r["h"], label=lambda h: f"H={h}", x="m",
-                            y=f"{k}_bw_frac", title=f"{name} triton bf16: {k}",
-                            target=0.85)  # fmt: skip
-
-    common.save_figure(path, draw, ncols=4, figsize=(20, 4.5))
+    panels = [
+        ([r for r in rows if r["fused_mul"] == fused],
+         k, f"{'fused_mul_poly_norm' if fused else 'poly_norm'} triton bf16: {k}")
+        for fused in (False, True) for k in ("fwd", "bwd")
+    ]  # fmt: skip
+    common.bw_panels(path, panels, group="h", target=lambda k: 0.85)
 
 
 def main() -> None:
@@ -145,23 +142,14 @@ def main() -> None:
         for f in (False, True)
         for k in ("fwd", "bwd")
     }
-    summary["geomean_fwd_vs_compiled"] = common.geomean([r["fwd_ratio_vs_compiled"] for r in rows])
-    summary["geomean_bwd_vs_compiled"] = common.geomean([r["bwd_ratio_vs_compiled"] for r in rows])
-    common.finish(
-        args.out,
-        "poly_norm",
-        {
-            "provider": "triton",
-            "baseline": "torch.compile of the fp32 PolyNorm formula (+ its autograd)",
-            "ratio_definition": "compiled_us / triton_us (higher is better)",
-            "bw_frac_definition": "minimum bytes / time / measured copy bandwidth",
-            "target_bw_frac": 0.85,
-            "limits": limits,
-        },
-        summary=summary,
-        rows=rows,
-        plot=plot,
-    )
+    summary.update(common.geomeans(rows, geomean_fwd_vs_compiled="fwd_ratio_vs_compiled",
+                                   geomean_bwd_vs_compiled="bwd_ratio_vs_compiled"))  # fmt: skip
+    common.finish_op(
+        args, limits, "poly_norm", summary=summary, rows=rows, plot=plot,
+        baseline="torch.compile of the fp32 PolyNorm formula (+ its autograd)",
+        ratio="compiled_us / triton_us (higher is better)",
+        bw="minimum bytes / time / measured copy bandwidth", target_bw_frac=0.85,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -126,13 +126,9 @@ def _case(args, copy_tb_s: float, m: int, h: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    def draw(axes):
-        for ax, k in zip(axes, ("fwd", "fused_fwd", "bwd", "fused_bwd")):
-            common.bw_lines(ax, rows, group=lambda r: r["h"], label=lambda h: f"H={h}", x="m",
-                            y=f"{k}_bw_frac", title=f"rms_norm triton bf16: {k}",
-                            target=0.75 if "bwd" in k else 0.9)  # fmt: skip
-
-    common.save_figure(path, draw, ncols=4, figsize=(20, 4.5))
+    keys = ("fwd", "fused_fwd", "bwd", "fused_bwd")
+    common.bw_panels(path, [(rows, k, f"rms_norm triton bf16: {k}") for k in keys], group="h",
+                     target=lambda k: 0.75 if "bwd" in k else 0.9)  # fmt: skip
 
 
 def main() -> None:
@@ -150,25 +146,17 @@ def main() -> None:
         "accept_bwd_separate_bw_frac": acc["bwd_separate_bw_frac"],
         "accept_fused_bwd_bw_frac": acc["fused_bwd_bw_frac"],
         "accept_dx_bw_frac": acc["dx_bw_frac"],
-        "geomean_fwd_vs_stock": common.geomean([r["fwd_ratio_vs_stock"] for r in rows]),
-        "geomean_bwd_vs_stock": common.geomean([r["bwd_ratio_vs_stock"] for r in rows]),
-        "geomean_fused_bwd_vs_stock": common.geomean([r["fused_bwd_ratio_vs_stock"] for r in rows]),
-    }
-    common.finish(
-        args.out,
-        "rms_norm",
-        {
-            "provider": "triton",
-            "baseline": "torch.nn.functional.rms_norm (+ autograd for backward)",
-            "backward_definition": "torch.autograd.grad over a recorded graph (forward not timed)",
-            "ratio_definition": "stock_us / triton_us (higher is better)",
-            "bw_frac_definition": "minimum bytes of the op / time / measured copy bandwidth",
-            "limits": limits,
-        },
-        summary=summary,
-        rows=rows,
-        plot=plot,
-    )
+        **common.geomeans(rows, geomean_fwd_vs_stock="fwd_ratio_vs_stock",
+                          geomean_bwd_vs_stock="bwd_ratio_vs_stock",
+                          geomean_fused_bwd_vs_stock="fused_bwd_ratio_vs_stock"),
+    }  # fmt: skip
+    common.finish_op(
+        args, limits, "rms_norm", summary=summary, rows=rows, plot=plot,
+        baseline="torch.nn.functional.rms_norm (+ autograd for backward)",
+        ratio="stock_us / triton_us (higher is better)",
+        bw="minimum bytes of the op / time / measured copy bandwidth",
+        backward_definition="torch.autograd.grad over a recorded graph (forward not timed)",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -167,26 +167,17 @@ def main() -> None:
             r["tokens"]: round(r["speedup_vs_two_launches"], 3) for r in qk_rows
         },
     }
-    common.finish(
-        args.out,
-        "rope",
-        {
-            "provider": "triton",
-            "baseline": "rl_engine rope stock provider (torch cos/sin + rotation)",
-            "ratio_definition": "baseline_us / triton_us (higher is better)",
-            "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
-            "limits": limits,
-            "qk_definition": "q and k of one layer from a fused QKV buffer (strided views): "
-            "two rope launches vs one rope_qk launch; CUDA-graph replay over cold copies (GPU "
-            "time per layer; the stock provider builds its tables on the host, so it is not "
-            "graph-capturable and is compared in rows instead)",
-            "qk_rows": qk_rows,
-        },
-        summary=summary,
-        rows=rows,
-        plot=plot,
-        digits=None,
-    )
+    common.finish_op(
+        args, limits, "rope", summary=summary, rows=rows, plot=plot, digits=None,
+        baseline="rl_engine rope stock provider (torch cos/sin + rotation)",
+        ratio="baseline_us / triton_us (higher is better)",
+        bw="bytes moved / time / measured copy bandwidth",
+        qk_definition="q and k of one layer from a fused QKV buffer (strided views): two rope "
+        "launches vs one rope_qk launch; CUDA-graph replay over cold copies (GPU time per "
+        "layer; the stock provider builds its tables on the host, so it is not "
+        "graph-capturable and is compared in rows instead)",
+        qk_rows=qk_rows,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -70,12 +70,8 @@ def _case(args, copy_tb_s: float, m: int, d: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    def draw(axes):
-        for ax, k in zip(axes, ("fwd", "bwd")):
-            common.bw_lines(ax, rows, group=lambda r: r["d"], label=lambda d: f"D={d}", x="m",
-                            y=f"{k}_bw_frac", title=f"silu_and_mul triton bf16: {k}")  # fmt: skip
-
-    common.save_figure(path, draw, ncols=2, figsize=(11, 4.5))
+    panels = [(rows, k, f"silu_and_mul triton bf16: {k}") for k in ("fwd", "bwd")]
+    common.bw_panels(path, panels, group="d")
 
 
 def main() -> None:
@@ -86,25 +82,17 @@ def main() -> None:
     rows = run(args, limits["copy_tb_s"])
     big = [r for r in rows if r["m"] >= 4096]
     summary = {
-        "fwd_bw_frac_large_rows": common.geomean([r["fwd_bw_frac"] for r in big]),
-        "bwd_bw_frac_large_rows": common.geomean([r["bwd_bw_frac"] for r in big]),
-        "geomean_fwd_vs_stock": common.geomean([r["fwd_ratio_vs_stock"] for r in rows]),
-        "geomean_bwd_vs_stock": common.geomean([r["bwd_ratio_vs_stock"] for r in rows]),
-    }
-    common.finish(
-        args.out,
-        "silu_and_mul",
-        {
-            "provider": "triton",
-            "baseline": "F.silu(x[..., :D]) * x[..., D:] (+ autograd for backward)",
-            "ratio_definition": "stock_us / triton_us (higher is better)",
-            "bw_frac_definition": "bytes moved / time / measured copy bandwidth",
-            "limits": limits,
-        },
-        summary=summary,
-        rows=rows,
-        plot=plot,
-    )
+        **common.geomeans(big, fwd_bw_frac_large_rows="fwd_bw_frac",
+                          bwd_bw_frac_large_rows="bwd_bw_frac"),
+        **common.geomeans(rows, geomean_fwd_vs_stock="fwd_ratio_vs_stock",
+                          geomean_bwd_vs_stock="bwd_ratio_vs_stock"),
+    }  # fmt: skip
+    common.finish_op(
+        args, limits, "silu_and_mul", summary=summary, rows=rows, plot=plot,
+        baseline="F.silu(x[..., :D]) * x[..., D:] (+ autograd for backward)",
+        ratio="stock_us / triton_us (higher is better)",
+        bw="bytes moved / time / measured copy bandwidth",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

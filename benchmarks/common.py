@@ -220,6 +220,39 @@ def bw_lines(ax: Any, rows: Sequence[dict[str, Any]], *, group: Callable[[dict],
     ax.legend(fontsize=7)
 
 
+def bw_panels(path: Path, panels: Sequence[tuple[Sequence[dict[str, Any]], str, str]], *,
+              group: str, x: str = "m", target: Callable[[str], float | None] | None = None,
+              xlabel: str = "rows") -> None:  # fmt: skip
+    """One :func:`bw_lines` panel per ``(rows, key, title)``: ``row[f"{key}_bw_frac"]`` over
+    ``row[x]``, a line per ``row[group]`` value (labelled ``f"{group.upper()}={value}"``),
+    ``target(key)`` dashed where given; saved as ``path``."""
+
+    def draw(axes):
+        for ax, (rows, key, title) in zip(axes if len(panels) > 1 else [axes], panels):
+            bw_lines(ax, rows, group=lambda r: r[group], label=lambda v: f"{group.upper()}={v}",
+                     x=x, y=f"{key}_bw_frac", title=title, xlabel=xlabel,
+                     target=target(key) if target else None)  # fmt: skip
+
+    save_figure(path, draw, ncols=len(panels), figsize=(5 * len(panels) + 1, 4.5))
+
+
+def geomeans(rows: Sequence[dict[str, Any]], **keys: str) -> dict[str, float]:
+    """``{name: geomean of row[key] over rows}`` for each ``name=key``."""
+    return {name: geomean([r[key] for r in rows]) for name, key in keys.items()}
+
+
+def finish_op(args: argparse.Namespace, limits: dict[str, float], op: str, *, baseline: str,
+              ratio: str, bw: str, summary: dict[str, Any], rows: list[dict],
+              plot: Callable[[list[dict], Path], None] | None, digits: int | None = 3,
+              provider: str = "triton", **extra: Any) -> Path:  # fmt: skip
+    """:func:`finish` of a Triton op's benchmark: the provider, the baseline it is measured
+    against and how the ratio and bandwidth columns are defined (``extra``: more fields), the
+    measured limits last."""
+    fields = {"provider": provider, "baseline": baseline, "ratio_definition": ratio,
+              "bw_frac_definition": bw, **extra, "limits": limits}  # fmt: skip
+    return finish(args.out, op, fields, summary=summary, rows=rows, plot=plot, digits=digits)
+
+
 def print_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))

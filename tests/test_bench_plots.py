@@ -29,7 +29,7 @@ def _bench(name: str):
     return importlib.import_module(f"bench_{name}")
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rope", "attention"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "rope", "attention", "poly_norm"])
 def test_plot_from_committed_rows(op, tmp_path):
     path = tmp_path / f"{op}.png"
     _bench(op).plot(_rows(op), path)
