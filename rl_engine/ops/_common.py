@@ -184,10 +184,13 @@ def provider_op(
             raise ValueError(f"provider_op {name}: no argument {arg!r} in {args})")
     schema = f"{args}, str provider) -> {ret}"
 
+    returns_nothing = ret.strip() == "()"  # a mutating op: what the provider returns is dropped
+
     def body(*args: Any) -> Any:
         *rest, provider = args
         p = KernelRegistry.provider(op, provider)
-        return (p.fn if extra is None else p.extras[extra])(*rest)
+        out = (p.fn if extra is None else p.extras[extra])(*rest)
+        return None if returns_nothing else out
 
     body.__name__ = body.__qualname__ = f"{name}_op"
     custom = torch.library.custom_op(
