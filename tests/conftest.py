@@ -27,6 +27,17 @@ def _fresh_registry():
     config.reload()
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """For a module of many small elementwise ops (``pytestmark =
+    pytest.mark.usefixtures("one_cpu_thread")``): one intra-op thread is much faster on a shared
+    CPU (and the native providers' bits do not depend on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

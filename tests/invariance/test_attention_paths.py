@@ -20,14 +20,8 @@ HAS_CUDA = torch.cuda.is_available()
 HQ, HKV, D = 4, 2, 16  # GQA, small head dim: the invariance does not depend on sizes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Many small elementwise ops: one intra-op thread is much faster on a shared CPU (and the
-    native provider's bits do not depend on the thread count)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# many small elementwise ops: one intra-op thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _cases() -> list:

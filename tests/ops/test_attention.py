@@ -21,14 +21,8 @@ from rl_engine.testing.tolerances import assert_close, tolerance
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Many small elementwise ops: one intra-op thread is much faster on a shared CPU (and the
-    native provider's bits do not depend on the thread count)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# many small elementwise ops: one intra-op thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _dtypes(provider: str, device: str) -> list[torch.dtype]:
