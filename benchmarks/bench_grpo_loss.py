@@ -90,17 +90,6 @@ def torch_grpo_loss(
     return seq.sum() / (n > 0).sum().clamp(min=1)
 
 
-def _peak_mib(fn: Callable[[], Any]) -> float:
-    """Peak memory (MiB) that one call allocates above what is live before it."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def _loss_fns(x: dict[str, torch.Tensor], agg: str) -> tuple[Callable[[], None], ...]:
     """(rl_engine triton, eager torch): forward + backward wrt logp."""
     lp = x["logp"].clone().requires_grad_(True)
@@ -146,8 +135,8 @@ def _loss_rows(quick: bool, copy_tb_s: float | None) -> list[dict[str, Any]]:
                 "triton_us": t_ours,
                 "torch_us": t_base,
                 "ratio": t_base / t_ours,
-                "triton_peak_mib": _peak_mib(ours),
-                "torch_peak_mib": _peak_mib(base),
+                "triton_peak_mib": common.peak_mib(ours),
+                "torch_peak_mib": common.peak_mib(base),
                 "triton_gb_s": min_bytes / (t_ours * 1e-6) / 1e9,
             }
             if copy_tb_s:
@@ -229,7 +218,7 @@ def _head_rows(quick: bool) -> tuple[list[dict[str, Any]], str | None]:
     for name, fn in cands.items():
         try:
             t_us = common.bench(fn, quick=quick)
-            peak = _peak_mib(fn)
+            peak = common.peak_mib(fn)
             rows.append({"part": "lm_head", "path": name, "us": t_us, "peak_mib": peak})
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()

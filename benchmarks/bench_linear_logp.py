@@ -45,17 +45,6 @@ TEMPERATURE = 1.0
 TARGETS = {"fwd_vs_cublas": 1.2, "fwd_peak_frac_of_fp32_logits": 0.05, "fwdbwd_vs_cublas": 1.3}
 
 
-def _peak_mib(fn: Callable[[], Any]) -> float:
-    """Peak memory (MiB) that one call allocates above what is live before it."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def _inputs(t: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(0)
     return dict(
@@ -76,7 +65,7 @@ def _measure(name: str, fn: Callable[[], Any], quick: bool) -> dict[str, Any]:
     try:
         fn()  # compile / warm up
         torch.cuda.synchronize()
-        row = {"path": name, "us": common.bench(fn, quick=quick), "peak_mib": _peak_mib(fn)}
+        row = {"path": name, "us": common.bench(fn, quick=quick), "peak_mib": common.peak_mib(fn)}
     except torch.cuda.OutOfMemoryError as exc:
         torch.cuda.empty_cache()
         row = {"path": name, "error": f"OOM: {exc}"[:200]}

@@ -128,6 +128,17 @@ def bench_graph(fn: Callable[..., Any], sets: Sequence[tuple], *, quick: bool = 
     return times[len(times) // 2]
 
 
+def peak_mib(fn: Callable[[], Any]) -> float:
+    """Peak memory (MiB) that one call allocates above what is live before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def geomean(values: Sequence[float]) -> float:
     vals = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
