@@ -116,9 +116,9 @@ def _timer(dist, group, cuda: bool, iters: int):
 
 
 def _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dict]:
-    from rl_engine.adapters.megatron.modules import _exchange
+    from rl_engine.ops.det_gemm.tp import Exchange
 
-    ex = _exchange(group)
+    ex = Exchange.over(group)
     return [_collective_case(dist, group, t, rank, dev, timers, m, hidden, ex) for m in tokens]
 
 
@@ -168,9 +168,9 @@ def _collective_case(dist, group, t, rank, dev, timers, m, hidden, ex) -> dict:
 
 
 def _layer_rows(dist, group, t, rank, dev, timers, tokens, hidden, layers) -> list[dict]:
-    from rl_engine.adapters.megatron.modules import _exchange
+    from rl_engine.ops.det_gemm.tp import Exchange
 
-    ex = _exchange(group)
+    ex = Exchange.over(group)
     return [
         _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex)
         for name, k in layers

@@ -79,10 +79,12 @@ def assert_close(
         try:
             torch.testing.assert_close(ca, ce, rtol=rtol, atol=atol)
         except AssertionError as exc:
-            worst, total = 0.0, 0.0
+            maxes, total = [], 0.0
             for j in range(0, n, _CHUNK):
                 d = (fa[j : j + _CHUNK].double() - fe[j : j + _CHUNK].double()).abs()
-                worst, total = max(worst, float(d.max())), total + float(d.sum())
+                maxes.append(d.max())
+                total += float(d.sum())
+            worst = float(torch.stack(maxes).max())  # a NaN stays a NaN
             raise AssertionError(
                 f"{what}: max |err| {worst:.3e}, mean |err| {total / n:.3e} (rtol={rtol}, "
                 f"atol={atol}); in elements {i}..{min(i + _CHUNK, n) - 1} of the flattened "

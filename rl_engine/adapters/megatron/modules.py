@@ -126,11 +126,6 @@ class RLColumnParallelLinear(ColumnParallelLinear):
         return out, (self.bias if self.skip_bias_add else None)
 
 
-def _exchange(group: Any):
-    """The TP group's combine of fp32 subtrees (all-to-all + all-gather; gloo or NCCL)."""
-    return tpm.Exchange.over(group)
-
-
 def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel: str, tp: int,
                groups: int, full_size: int, glu: bool = False) -> torch.Tensor:  # fmt: skip
     """A TP layer's shard through :func:`rl_engine.ops.det_gemm.tp.tp_linear` ([..., K] input;
@@ -142,7 +137,7 @@ def _tp_linear(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias, parallel
         weight,
         bias,
         parallel=parallel,
-        exchange=_exchange(layer.tp_group) if tp > 1 else None,
+        exchange=tpm.Exchange.over(layer.tp_group) if tp > 1 else None,
         tp=tp,
         full_size=full_size,
         groups=groups,
@@ -236,7 +231,7 @@ class RLRMSNorm(torch.nn.Module):
                 return ops.rms_norm(x, self.weight, self.eps)
             # Megatron's finalize step adds the TP ranks' gradients of q/k_layernorm (by name):
             # rank 0 holds the whole TP-invariant gradient, the others zeros (exact in any order)
-            exchange = _exchange(_tp_group()) if tp > 1 else None
+            exchange = tpm.Exchange.over(_tp_group()) if tp > 1 else None
             return rms_norm_heads_tp(x, self.weight, self.eps, exchange=exchange, sole=True)
         if (groups is not None) != self._grouped:
             raise RuntimeError(
@@ -246,7 +241,7 @@ class RLRMSNorm(torch.nn.Module):
         if groups is None:
             return ops.rms_norm(x, self.weight, self.eps)
         sp = bool(getattr(self.config, "sequence_parallel", False)) and tp > 1
-        exchange = _exchange(_tp_group()) if sp else None
+        exchange = tpm.Exchange.over(_tp_group()) if sp else None
         return rms_norm_tp(x, self.weight, self.eps, groups=groups, exchange=exchange)
 
     def extra_repr(self) -> str:
