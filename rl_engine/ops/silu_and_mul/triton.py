@@ -61,6 +61,29 @@ def get_config(d: int) -> SiluAndMulConfig:
 if triton is not None:
 
     @triton.jit
+    def _load_gate_up(
+        x_ptr,
+        M,
+        stride_x,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        """This program's tile of ``x`` [M, 2D]: its ``rows``, ``cols`` and ``mask``, and the
+        gate ``a = x[rows, cols]`` and up ``b = x[rows, D + cols]`` widened to fp32 (masked
+        lanes 0)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < M) & (cols[None, :] < D)
+        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(xp + D, mask=mask, other=0.0).to(tl.float32)
+        return rows, cols, mask, a, b
+
+    @triton.jit
     def _silu_and_mul_fwd_kernel(
         x_ptr,
         y_ptr,
@@ -72,14 +95,7 @@ if triton is not None:
         ROWS: tl.constexpr,
         INT64: tl.constexpr,
     ):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        if INT64:
-            rows = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = (rows[:, None] < M) & (cols[None, :] < D)
-        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(xp + D, mask=mask, other=0.0).to(tl.float32)
+        rows, cols, mask, a, b = _load_gate_up(x_ptr, M, stride_x, D, BLOCK_D, ROWS, INT64)
         silu = a / (1.0 + tl.exp(-a))
         y = silu * b
         tl.store(
@@ -102,14 +118,7 @@ if triton is not None:
         ROWS: tl.constexpr,
         INT64: tl.constexpr,
     ):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        if INT64:
-            rows = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask = (rows[:, None] < M) & (cols[None, :] < D)
-        xp = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(xp + D, mask=mask, other=0.0).to(tl.float32)
+        rows, cols, mask, a, b = _load_gate_up(x_ptr, M, stride_x, D, BLOCK_D, ROWS, INT64)
         g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
