@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import trainer_cases as tc
 
 from rl_engine.testing import fsdp_check
 from rl_engine.testing.tiny_models import make_tiny_model
@@ -19,13 +20,7 @@ def model(tmp_path_factory):
         arch="qwen2",
         dtype="float32",
         seed=0,
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
+        **tc.tiny_shape(hidden=64, heads=4, kv_heads=2, head_dim=16),
     )
 
 

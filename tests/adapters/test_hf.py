@@ -125,23 +125,8 @@ def test_deepcopy_reference_model_uses_its_own_weights(ckpts):
 def test_micro_batch_and_layout_invariance(models, case):
     """Bitwise equal across micro-batch sizes {1, 2, 5}, packed, right- and left-padded."""
     model = models[case]
-    seqs = tc.sequences()
-    ref = tc.micro_batched(_lp(model), seqs, 5)
-    for mbs in (1, 2):
-        tc.assert_lists_bitwise(tc.micro_batched(_lp(model), seqs, mbs), ref, f"mbs={mbs}")
-    flat, cu = tc.packed(seqs)
-    ids, mask = tc.left_padded(seqs)
-    with torch.no_grad():
-        lp_packed = ha.token_logprobs(model, flat[None], 0.7, cu_seqlens=cu)[0]
-        lp_left = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
-        # packing signalled by restarting position ids alone (TRL "padding-free" style)
-        pos = torch.cat([torch.arange(s.numel()) for s in seqs])[None]
-        h = model.model(input_ids=flat[None], position_ids=pos, use_cache=False)
-        logits = model.lm_head(h.last_hidden_state[0])
-    tc.assert_lists_bitwise(tc.per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
-    tc.assert_lists_bitwise(tc.per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
-    via_pos = ops.logp(logits[:-1], flat[1:], 0.7)
-    tc.assert_lists_bitwise(tc.per_seq_from_packed(via_pos, cu), ref, "packed via position_ids")
+    seqs, ref, _, _ = tc.check_layouts(ha.token_logprobs, model, 0.7, packed_row=True)
+    tc.check_packed_via_position_ids(model, seqs, ref, 0.7)
 
 
 def test_logits_forward_equals_token_logprobs(models):
@@ -187,20 +172,7 @@ def test_generate_kv_cache_matches_teacher_forcing(models):
         ("bs3", prompts, masks[3]),
         ("left-padded", prompts * left, left),
     ):
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        seq = out.sequences
-        rollout = torch.stack(
-            [ops.logp(step, seq[:, prompt_len + i]) for i, step in enumerate(out.logits)], 1
-        )
+        seq, rollout = tc.greedy_rollout(model, ids, mask, new)
         full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype)], 1)
         with torch.no_grad():
             tf = ha.token_logprobs(model, seq, 1.0, attention_mask=full_mask)

@@ -70,18 +70,7 @@ def test_micro_batch_and_layout_invariance(models, case):
     """Bitwise equal across micro-batch sizes {1, 2, 5}, packed, right- and left-padded."""
     from rl_engine.adapters import megatron as ma
 
-    model = models[case]
-    seqs = tc.sequences()
-    ref = tc.micro_batched(_lp(model), seqs, 5)
-    for mbs in (1, 2):
-        tc.assert_lists_bitwise(tc.micro_batched(_lp(model), seqs, mbs), ref, f"mbs={mbs}")
-    flat, cu = tc.packed(seqs)
-    with torch.no_grad():
-        lp_packed = ma.token_logprobs(model, flat, 0.7, cu_seqlens=cu)
-        ids, mask = tc.left_padded(seqs)
-        lp_left = ma.token_logprobs(model, ids, 0.7, attention_mask=mask)
-    tc.assert_lists_bitwise(tc.per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
-    tc.assert_lists_bitwise(tc.per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
+    seqs, _, lp_packed, lp_left = tc.check_layouts(ma.token_logprobs, models[case], 0.7)
     assert lp_packed.dtype == torch.float32
     # masked positions are exact zeros
     assert torch.all(lp_left[1:, 0] == 0)  # rows 1.. are left-padded

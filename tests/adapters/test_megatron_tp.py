@@ -16,20 +16,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+import trainer_cases as tc  # noqa: E402
+
 from rl_engine.adapters.megatron import UnsupportedNumericsError  # noqa: E402
 from rl_engine.adapters.megatron.loader import shard_state  # noqa: E402
 from rl_engine.testing import tp_check  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
-SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
+SHAPE = tc.tiny_shape(hidden=64, heads=8, kv_heads=4, head_dim=16)
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,7 @@ def ckpt(tmp_path_factory):
         tmp_path_factory.mktemp("gpu") / "qwen3",
         "qwen3",
         "bfloat16",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        vocab_size=4096,
+        **tc.tiny_shape(hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=4096),
     )
 
 
@@ -60,30 +54,12 @@ def model(ckpt):
     return m
 
 
-def _rollout(model, prompts, mask, temperature):
-    out = model.generate(
-        prompts,
-        attention_mask=mask,
-        max_new_tokens=NEW,
-        min_new_tokens=NEW,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    seq = out.sequences
-    lp = torch.stack(
-        [ops.logp(step, seq[:, PROMPT + i], temperature) for i, step in enumerate(out.logits)], 1
-    )
-    return seq, lp
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_generate_vs_teacher_forced(model, batch):
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, 4096, (batch, PROMPT), generator=g).cuda()
     mask = torch.ones_like(prompts)
-    seq, roll = _rollout(model, prompts, mask, 0.8)
+    seq, roll = tc.greedy_rollout(model, prompts, mask, NEW, 0.8)
     full = torch.ones_like(seq)
     with torch.no_grad():
         tf = ha.token_logprobs(model, seq, 0.8, attention_mask=full)
@@ -100,7 +76,7 @@ def test_generate_left_padded(model):
     mask[1, :3] = 0
     mask[3, :7] = 0
     prompts = prompts * mask
-    seq, roll = _rollout(model, prompts, mask, 1.0)
+    seq, roll = tc.greedy_rollout(model, prompts, mask, NEW, 1.0)
     full = torch.cat([mask, torch.ones_like(seq[:, PROMPT:])], 1)
     with torch.no_grad():
         tf = ha.token_logprobs(model, seq, 1.0, attention_mask=full)
@@ -111,7 +87,7 @@ def test_megatron_matches_rollout(model, ckpt, megatron):
     meg = megatron.from_pretrained(ckpt, device="cuda")
     g = torch.Generator().manual_seed(5)
     prompts = torch.randint(3, 4096, (5, PROMPT), generator=g).cuda()
-    seq, roll = _rollout(model, prompts, torch.ones_like(prompts), 0.8)
+    seq, roll = tc.greedy_rollout(model, prompts, torch.ones_like(prompts), NEW, 0.8)
     with torch.no_grad():
         lp = megatron.token_logprobs(meg, seq, 0.8)
     assert_bitwise(lp[:, PROMPT - 1 :], roll, "megatron trainer vs HF generate rollout")
@@ -206,19 +182,8 @@ def _cuda_lp(token_logprobs, model, temperature=TEMP):
 
 def _check_layouts(token_logprobs, model):
     """Micro-batch sizes {1, 2} == 5, packed == padded, left == right padding (bitwise)."""
-    seqs = tc.sequences()
-    fn = _cuda_lp(token_logprobs, model)
-    ref = tc.micro_batched(fn, seqs, 5)
+    seqs, ref, lp_packed, lp_left = tc.check_layouts(token_logprobs, model, TEMP, device="cuda")
     assert ref[0].is_cuda and ref[0].dtype == torch.float32
-    for mbs in (1, 2):
-        tc.assert_lists_bitwise(tc.micro_batched(fn, seqs, mbs), ref, f"mbs={mbs}")
-    flat, cu = tc.packed(seqs)
-    ids, mask = tc.left_padded(seqs)
-    with torch.no_grad():
-        lp_packed = token_logprobs(model, flat.cuda(), TEMP, cu_seqlens=cu.cuda())
-        lp_left = token_logprobs(model, ids.cuda(), TEMP, attention_mask=mask.cuda())
-    tc.assert_lists_bitwise(tc.per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
-    tc.assert_lists_bitwise(tc.per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
     assert torch.all(lp_left[1:, 0] == 0)  # masked positions are exact zeros
     assert int((lp_packed == 0).sum()) >= len(seqs) - 1
     return seqs, ref
@@ -230,14 +195,7 @@ def test_hf_micro_batch_and_layout_invariance_cuda(hf_models, case):
     (cu_seqlens), packed via restarting position ids, right- and left-padded; Triton ops."""
     model = hf_models[case]
     seqs, ref = _check_layouts(ha.token_logprobs, model)
-    flat, cu = tc.packed(seqs)
-    with torch.no_grad():
-        # packing signalled by restarting position ids alone (TRL "padding-free" style)
-        pos = torch.cat([torch.arange(s.numel()) for s in seqs])[None].cuda()
-        h = model.model(input_ids=flat[None].cuda(), position_ids=pos, use_cache=False)
-        logits = model.lm_head(h.last_hidden_state[0])
-    via_pos = ops.logp(logits[:-1], flat[1:].cuda(), TEMP)
-    tc.assert_lists_bitwise(tc.per_seq_from_packed(via_pos, cu), ref, "packed via position_ids")
+    tc.check_packed_via_position_ids(model, seqs, ref, TEMP, device="cuda")
     _assert_triton(TRAINER_OPS + ("logp",))
 
 
@@ -300,23 +258,34 @@ def _grads_twice(model, lp_fn, ids, mask):
     return runs
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
-def test_hf_backward_deterministic_cuda(hf_models, case):
-    """HF adapter on CUDA: gradients (and log-probs) bitwise equal run to run."""
-    model = hf_models[case]
+def _check_backward_deterministic(model, lp_fn, probe: str, then=None):
+    """``model`` in training mode, two identical forward + backward passes of ``lp_fn`` on
+    right-padded sequences: log-probs and every parameter's gradient bitwise equal run to run,
+    the gradient of ``probe`` not zero. ``then(ids, mask, lp)`` runs after, still in training
+    mode; the model is left in eval mode without gradients."""
     seqs = tc.sequences()[1:4]
     ids, mask = (x.cuda() for x in tc.right_padded(seqs))
     model.train()
     try:
-        (lp0, g0), (lp1, g1) = _grads_twice(model, ha.token_logprobs, ids, mask)
+        (lp0, g0), (lp1, g1) = _grads_twice(model, lp_fn, ids, mask)
         assert_bitwise(lp0, lp1, "log-probs run-to-run")
         assert set(g0) == {n for n, _ in model.named_parameters()}
         for n in g0:
             assert_bitwise(g0[n], g1[n], f"grad {n} run-to-run")
-        assert g0["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+        assert g0[probe].abs().sum() > 0
+        if then is not None:
+            then(ids, mask, lp0)
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
+def test_hf_backward_deterministic_cuda(hf_models, case):
+    """HF adapter on CUDA: gradients (and log-probs) bitwise equal run to run."""
+    _check_backward_deterministic(
+        hf_models[case], ha.token_logprobs, "model.layers.0.self_attn.q_proj.weight"
+    )
     _assert_triton()
 
 
@@ -325,23 +294,19 @@ def test_megatron_backward_deterministic_cuda(megatron, meg_models, case):
     """Megatron adapter on CUDA: gradients bitwise equal run to run; the forward ignores extra
     right padding (see test_megatron.test_backward_deterministic for why only that)."""
     model = meg_models[case]
-    seqs = tc.sequences()[1:4]
-    ids, mask = (x.cuda() for x in tc.right_padded(seqs))
-    model.train()
-    try:
-        (lp0, g0), (lp1, g1) = _grads_twice(model, megatron.token_logprobs, ids, mask)
-        assert_bitwise(lp0, lp1, "log-probs run-to-run")
-        assert set(g0) == {n for n, _ in model.named_parameters()}
-        for n in g0:
-            assert_bitwise(g0[n], g1[n], f"grad {n} run-to-run")
-        assert g0["decoder.layers.0.self_attention.linear_qkv.weight"].abs().sum() > 0
+
+    def extra_right_padding(ids, mask, lp0):
         pad = torch.zeros(ids.shape[0], 3, dtype=ids.dtype, device=ids.device)
         with torch.no_grad():
             lp_pad = megatron.token_logprobs(
                 model, torch.cat([ids, pad], 1), TEMP, attention_mask=torch.cat([mask, pad], 1)
             )
         assert_bitwise(lp_pad[:, : ids.shape[1] - 1], lp0, "forward with extra right padding")
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
+
+    _check_backward_deterministic(
+        model,
+        megatron.token_logprobs,
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        then=extra_right_padding,
+    )
     _assert_triton()

@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+import trainer_cases as tc  # noqa: E402
+
 from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
@@ -25,13 +27,7 @@ def model(tmp_path_factory):
         arch="llama",
         dtype="float32",
         seed=0,
-        num_hidden_layers=2,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=256,
+        **tc.tiny_shape(hidden=128, heads=4, kv_heads=2, head_dim=32),
     )
 
 

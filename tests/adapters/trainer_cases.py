@@ -1,8 +1,12 @@
-"""Shared inputs of the trainer-adapter tests: variable-length sequences in three layouts."""
+"""Shared inputs and checks of the adapter tests: variable-length sequences in three layouts,
+the layout-invariance checks of a trainer adapter, a greedy ``generate`` rollout, tiny model
+shapes."""
 
 from __future__ import annotations
 
 import torch
+
+from rl_engine import ops
 
 LENGTHS = (13, 5, 9, 3, 11)  # five sequences of different lengths
 VOCAB = 512  # the tiny models' vocabulary
@@ -72,3 +76,89 @@ def assert_lists_bitwise(a: list[torch.Tensor], b: list[torch.Tensor], what: str
 
 def count_mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(int((x != y).sum()) for x, y in zip(a, b))
+
+
+def check_layouts(
+    token_logprobs, model, temperature: float, *, device: str = "cpu", packed_row: bool = False
+):
+    """An adapter's ``token_logprobs(model, ...)`` of :func:`sequences` (inputs moved to
+    ``device``) is bitwise the same in every layout: micro-batches of 1 and 2 sequences equal one
+    of 5 (right padded), and so do the packed (``cu_seqlens``; the ids as one ``[1, N]`` row with
+    ``packed_row``, else 1-D) and the left-padded batch.
+
+    Returns ``(seqs, ref, lp_packed, lp_left)`` for the caller's further checks (``ref``: the
+    per-sequence log-probs of the micro-batch of 5)."""
+    seqs = sequences()
+
+    def fn(ids, mask):
+        with torch.no_grad():
+            return token_logprobs(
+                model, ids.to(device), temperature, attention_mask=mask.to(device)
+            )
+
+    ref = micro_batched(fn, seqs, 5)
+    for mbs in (1, 2):
+        assert_lists_bitwise(micro_batched(fn, seqs, mbs), ref, f"mbs={mbs}")
+    flat, cu = packed(seqs)
+    ids, mask = left_padded(seqs)
+    with torch.no_grad():
+        if packed_row:
+            lp_packed = token_logprobs(
+                model, flat[None].to(device), temperature, cu_seqlens=cu.to(device)
+            )[0]
+        else:
+            lp_packed = token_logprobs(
+                model, flat.to(device), temperature, cu_seqlens=cu.to(device)
+            )
+        lp_left = token_logprobs(model, ids.to(device), temperature, attention_mask=mask.to(device))
+    assert_lists_bitwise(per_seq_from_packed(lp_packed, cu), ref, "packed vs padded")
+    assert_lists_bitwise(per_seq_from_left(lp_left, seqs), ref, "left vs right padding")
+    return seqs, ref, lp_packed, lp_left
+
+
+def check_packed_via_position_ids(model, seqs, ref, temperature: float, device: str = "cpu"):
+    """A (patched) Hugging Face ``model`` on ``seqs`` packed into one row, the packing signalled
+    by restarting position ids alone (TRL "padding-free" style), gives ``ref`` bitwise."""
+    flat, cu = packed(seqs)
+    with torch.no_grad():
+        pos = torch.cat([torch.arange(s.numel()) for s in seqs])[None].to(device)
+        h = model.model(input_ids=flat[None].to(device), position_ids=pos, use_cache=False)
+        logits = model.lm_head(h.last_hidden_state[0])
+    via_pos = ops.logp(logits[:-1], flat[1:].to(device), temperature)
+    assert_lists_bitwise(per_seq_from_packed(via_pos, cu), ref, "packed via position_ids")
+
+
+def greedy_rollout(model, prompts, mask, new: int, temperature: float = 1.0):
+    """Greedy ``generate`` of ``new`` tokens after ``prompts`` (one width, padded by ``mask``)
+    with a KV cache: ``(sequences, log-probs)``, the log-probs ``[B, new]`` of the generated
+    tokens at ``temperature`` through ``logp`` on each step's logits."""
+    out = model.generate(
+        prompts,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    seq = out.sequences
+    start = prompts.shape[1]
+    lp = torch.stack(
+        [ops.logp(step, seq[:, start + i], temperature) for i, step in enumerate(out.logits)], 1
+    )
+    return seq, lp
+
+
+def tiny_shape(hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int = 256) -> dict:
+    """``make_tiny_model`` config fields of a two-layer test model ``hidden`` wide, its MLP twice
+    as wide, ``heads`` query and ``kv_heads`` key / value heads of ``head_dim``."""
+    return dict(
+        num_hidden_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=2 * hidden,
+        vocab_size=vocab,
+    )
