@@ -25,155 +25,76 @@ from rl_engine.registry import KernelRegistry, resolve_provider
 __all__ = ["rope", "rope_qk"]
 
 
-def _call(extra: str | None, t, positions, theta, rotary_dim, is_neox, canon, provider):
-    prov = KernelRegistry.provider("rope", provider)
-    fn = prov.fn if extra is None else prov.extras[extra]
-    return fn(t, positions, theta, rotary_dim, is_neox, reference.scaling_dict(canon)).contiguous()
+# After the rotated tensors and ``positions``, every rope op takes these (the scaling dict as its
+# canonical scalars, see :func:`reference.canonical_scaling`) and the provider name.
+_PARAMS = (
+    "float theta, SymInt rotary_dim, bool is_neox, str rope_type, float factor, "
+    "float low_freq_factor, float high_freq_factor, SymInt original_max_position_embeddings, "
+    "str provider"
+)
+_N_PARAMS = len(_PARAMS.split(","))
 
 
-@torch.library.custom_op("rl_engine::rope", mutates_args=())
-def _rope_op(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    rotary_dim: int,
-    is_neox: bool,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: int,
-    provider: str,
-) -> torch.Tensor:
-    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    return _call(None, x, positions, theta, rotary_dim, is_neox, canon, provider)
+def _rope_custom_op(
+    name: str, tensors: tuple[str, ...], extra: str | None, backward: Any = None
+) -> Any:
+    """The custom op ``rl_engine::<name>(Tensor <tensors>..., Tensor positions, <_PARAMS>)``.
 
+    Its body runs the provider's ``fn`` (``extra=None``) or ``extras[extra]`` on the tensors,
+    with the scaling dict rebuilt from its scalars, and returns the rotated tensors contiguous
+    (one tensor, or a tuple of them); the fake gives outputs shaped like the inputs. With
+    ``backward`` (the op of the inverse rotation, same arguments), the op is differentiable in
+    its tensors: their gradients are ``backward`` of the incoming ones in the input dtype
+    (``positions`` and the scalars get none).
+    """
+    n = len(tensors)
+    tensor_args = "".join(f"Tensor {t}, " for t in tensors)
+    ret = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
 
-@_rope_op.register_fake
-def _(x, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    def body(*args):
+        *ts, positions, theta, rotary_dim, is_neox = args[: n + 4]
+        canon, provider = args[n + 4 : -1], args[-1]
+        prov = KernelRegistry.provider("rope", provider)
+        fn = prov.fn if extra is None else prov.extras[extra]
+        out = fn(*ts, positions, theta, rotary_dim, is_neox, reference.scaling_dict(canon))
+        return out.contiguous() if n == 1 else tuple(o.contiguous() for o in out)
 
-
-@torch.library.custom_op("rl_engine::rope_backward", mutates_args=())
-def _rope_backward_op(
-    grad: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    rotary_dim: int,
-    is_neox: bool,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: int,
-    provider: str,
-) -> torch.Tensor:
-    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    return _call("backward", grad, positions, theta, rotary_dim, is_neox, canon, provider)
-
-
-@_rope_backward_op.register_fake
-def _(grad, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
-    return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-def _call_qk(extra, q, k, positions, theta, rotary_dim, is_neox, canon, provider):
-    fn = KernelRegistry.provider("rope", provider).extras[extra]
-    yq, yk = fn(q, k, positions, theta, rotary_dim, is_neox, reference.scaling_dict(canon))
-    return yq.contiguous(), yk.contiguous()
-
-
-@torch.library.custom_op("rl_engine::rope_qk", mutates_args=())
-def _rope_qk_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    rotary_dim: int,
-    is_neox: bool,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: int,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    return _call_qk("qk", q, k, positions, theta, rotary_dim, is_neox, canon, provider)
-
-
-@_rope_qk_op.register_fake
-def _(q, k, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
-    return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+    body.__name__ = body.__qualname__ = f"_{name}_op"
+    op = torch.library.custom_op(
+        f"rl_engine::{name}",
+        body,
+        mutates_args=(),
+        schema=f"({tensor_args}Tensor positions, {_PARAMS}) -> {ret}",
     )
 
+    @op.register_fake
+    def _(*args):
+        outs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in args[:n])
+        return outs[0] if n == 1 else outs
 
-@torch.library.custom_op("rl_engine::rope_qk_backward", mutates_args=())
-def _rope_qk_backward_op(
-    grad_q: torch.Tensor,
-    grad_k: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    rotary_dim: int,
-    is_neox: bool,
-    rope_type: str,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: int,
-    provider: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    canon = (rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    return _call_qk(
-        "qk_backward", grad_q, grad_k, positions, theta, rotary_dim, is_neox, canon, provider
-    )
+    if backward is not None:
 
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[n])  # positions
+            ctx.params = inputs[n + 1 :]
+            ctx.dtype = inputs[0].dtype
 
-@_rope_qk_backward_op.register_fake
-def _(gq, gk, positions, theta, rotary_dim, is_neox, rope_type, factor, low, high, orig, provider):
-    return (
-        torch.empty(gq.shape, dtype=gq.dtype, device=gq.device),
-        torch.empty(gk.shape, dtype=gk.dtype, device=gk.device),
-    )
+        def grad_fn(ctx, *grads):
+            # (autograd materialises the gradient of an unused output as zeros)
+            (positions,) = ctx.saved_tensors
+            if not any(ctx.needs_input_grad[:n]):
+                return (None,) * (n + 1 + _N_PARAMS)
+            d = backward(*(g.to(ctx.dtype) for g in grads), positions, *ctx.params)
+            return ((d,) if n == 1 else tuple(d)) + (None,) * (1 + _N_PARAMS)
+
+        op.register_autograd(grad_fn, setup_context=setup_context)
+    return op
 
 
-def _setup_context_qk(ctx, inputs, output):
-    q, k, positions, *params = inputs
-    ctx.save_for_backward(positions)
-    ctx.params = params
-    ctx.dtype = q.dtype
-
-
-def _backward_qk(ctx, grad_q, grad_k):
-    # (autograd materialises the gradient of an unused output as zeros)
-    (positions,) = ctx.saved_tensors
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return (None,) * 12
-    dq, dk = _rope_qk_backward_op(
-        grad_q.to(ctx.dtype), grad_k.to(ctx.dtype), positions, *ctx.params
-    )
-    return (dq, dk) + (None,) * 10
-
-
-def _setup_context(ctx, inputs, output):
-    x, positions, *params = inputs
-    ctx.save_for_backward(positions)
-    ctx.params = params
-    ctx.dtype = x.dtype
-
-
-def _backward(ctx, grad):
-    (positions,) = ctx.saved_tensors
-    dx = None
-    if ctx.needs_input_grad[0]:
-        dx = _rope_backward_op(grad.to(ctx.dtype), positions, *ctx.params)
-    return (dx,) + (None,) * 10
-
-
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
-_rope_qk_op.register_autograd(_backward_qk, setup_context=_setup_context_qk)
+_rope_backward_op = _rope_custom_op("rope_backward", ("grad",), "backward")
+_rope_op = _rope_custom_op("rope", ("x",), None, _rope_backward_op)
+_rope_qk_backward_op = _rope_custom_op("rope_qk_backward", ("grad_q", "grad_k"), "qk_backward")
+_rope_qk_op = _rope_custom_op("rope_qk", ("q", "k"), "qk", _rope_qk_backward_op)
 
 
 def _entry(
