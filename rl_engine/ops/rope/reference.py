@@ -192,19 +192,26 @@ def cos_sin(
     return c.to(torch.float32), s.to(torch.float32)
 
 
+def rotate_pairs(
+    xr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool
+) -> torch.Tensor:
+    """The rotation of the rotated channels ``xr`` [T, heads, rotary_dim] in ``xr``'s dtype,
+    ``cos`` / ``sin`` [T, 1, rotary_dim / 2]: ``o1 = x1 * cos - x2 * sin``,
+    ``o2 = x2 * cos + x1 * sin`` for the pairs of the layout (see the module docstring)."""
+    if is_neox:
+        h = rotary_dim // 2
+        x1, x2 = xr[..., :h], xr[..., h:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
 def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool
 ) -> torch.Tensor:
     cos, sin = cos[:, None, :], sin[:, None, :]
     xr = x[..., :rotary_dim].float()
-    if is_neox:
-        h = rotary_dim // 2
-        x1, x2 = xr[..., :h], xr[..., h:]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    else:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    out = out.to(x.dtype)
+    out = rotate_pairs(xr, cos, sin, rotary_dim, is_neox).to(x.dtype)
     if rotary_dim < x.shape[-1]:
         out = torch.cat([out, x[..., rotary_dim:]], dim=-1)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops.rope.reference import _check, inv_freq_table
+from rl_engine.ops.rope.reference import _check, inv_freq_table, rotate_pairs
 
 
 def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -> torch.Tensor:
@@ -24,14 +24,7 @@ def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -
     sin = torch.sin(freqs).to(x.dtype)[:, None, :]
     if inverse:
         sin = -sin
-    xr = x[..., :rotary_dim]
-    if is_neox:
-        h = rotary_dim // 2
-        x1, x2 = xr[..., :h], xr[..., h:]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    else:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    out = rotate_pairs(x[..., :rotary_dim], cos, sin, rotary_dim, is_neox)
     return torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
