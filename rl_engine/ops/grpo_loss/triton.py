@@ -57,27 +57,16 @@ if triton is not None:
     _k3 = _rk._k3
     _expm1 = _rk._expm1
     _tree_sum_rows = _rk._tree_sum_rows
-
-    @triton.jit
-    def _load_row(ptr, b, t, s_b, s_t, inb):
-        return tl.load(ptr + b * s_b + t * s_t, mask=inb, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _row_stats(pre_ptr, b, rows, NT, ROWS: tl.constexpr):
-        """[ROWS, 1] x 2: sum of masked raw log-ratios and real-token count of rows b, each the
-        sum of the row's tile partials in tile order."""
-        s = tl.zeros((ROWS,), dtype=tl.float32)
-        n = tl.zeros((ROWS,), dtype=tl.float32)
-        for j in range(0, NT):
-            p = (b * NT + j) * 2
-            s = s + tl.load(pre_ptr + p, mask=rows, other=0.0)
-            n = n + tl.load(pre_ptr + p + 1, mask=rows, other=0.0)
-        return s[:, None], n[:, None]
+    _load_tile = _rk._load_tile
+    _log_ratio_tile = _rk._log_ratio_tile
+    _store_partials = _rk._store_partials
+    _seq_partials = _rk._seq_partials
 
     @triton.jit
     def _grpo_token_terms(
         lp,
-        old,
+        raw,
+        tok_lr,
         adv,
         m,
         ref,
@@ -93,8 +82,7 @@ if triton is not None:
         HAS_REF: tl.constexpr,
         HAS_W: tl.constexpr,
     ):
-        raw = tl.where(m, lp - old, 0.0)
-        tok_lr = tl.clamp(raw, -clamp, clamp)
+        # raw, tok_lr: the masked raw and clamped token log-ratios (:func:`_log_ratio_tile`)
         if SEQ_RATIO:  # GSPO-token: the sequence's value, d lr / d logp_t = 1
             s = seq_s / tl.maximum(seq_n, 1.0) + tl.zeros_like(raw)  # broadcast over the tile
             lr = tl.clamp(s, -clamp, clamp)
@@ -129,7 +117,7 @@ if triton is not None:
         else:
             kl = tl.zeros_like(raw)
             dkl = tl.zeros_like(raw)
-        return tok_lr, r, clipped, dual, pg, dpg, kl, dkl
+        return r, clipped, dual, pg, dpg, kl, dkl
 
     @triton.jit
     def _grpo_prepass_kernel(
@@ -150,25 +138,16 @@ if triton is not None:
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,
     ):
-        # Per (sequence, tile): sum of the masked raw log-ratios and the real-token count.
-        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64)
-        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        rows = b < B
-        inb = rows[:, None] & (t < T)[None, :]
-        bb = b[:, None]
-        tt = t[None, :]
-        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
-        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
-        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
-        raw = tl.where(m, lp - old, 0.0)
-        p = (b * NT + j) * 2
-        tl.store(pre_ptr + p, _tree_sum_rows(raw, ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        cnt = _tree_sum_rows(m.to(tl.float32), ROWS, BLOCK, LOG_BLOCK)
-        tl.store(pre_ptr + p + 1, cnt, mask=rows)
+        """Per (sequence, tile): sum of the masked raw log-ratios and the real-token count."""
+        b, j, rows, _, _, _, _, m, raw = _log_ratio_tile(
+            lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, True, ROWS, BLOCK
+        )
+        _store_partials(pre_ptr, raw, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
 
     @triton.jit
-    def _grpo_fwd_kernel(
+    def _grpo_token_kernel(
+        grad_ptr,
+        denom_ptr,
         lp_ptr,
         old_ptr,
         adv_ptr,
@@ -176,7 +155,7 @@ if triton is not None:
         ref_ptr,
         w_ptr,
         pre_ptr,
-        part_ptr,
+        out_ptr,
         B,
         T,
         NT,
@@ -196,39 +175,48 @@ if triton is not None:
         r_lo,
         r_hi,
         dual_c,
+        kl_beta,
+        denom_const,
         SEQ_RATIO: tl.constexpr,
         HAS_DUAL: tl.constexpr,
         HAS_REF: tl.constexpr,
         HAS_W: tl.constexpr,
+        BWD: tl.constexpr,
+        KL_TERM: tl.constexpr,
+        PER_SEQ_MEAN: tl.constexpr,
+        DENOM_FROM_PTR: tl.constexpr,
         STATS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64)
-        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        rows = b < B
-        inb = rows[:, None] & (t < T)[None, :]
-        bb = b[:, None]
-        tt = t[None, :]
-        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
-        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
-        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
-        adv = _load_row(adv_ptr, bb, tt, s_ab, s_at, inb)
+        """The token pass, one (ROWS sequences, tile j) per program, on the same per-token terms
+        (:func:`_grpo_token_terms`) both ways. Forward (``BWD`` off): each row's tile partials
+        of the ``STATS`` statistics into ``out`` [B * NT, STATS]. Backward: ``d logp`` into
+        ``out`` [B, T] from the upstream ``grad`` and the denominator (``denom`` or
+        ``denom_const``); ``KL_TERM``, ``PER_SEQ_MEAN`` and ``DENOM_FROM_PTR`` apply to it only."""
+        b, j, rows, inb, bb, tt, lp, m, raw = _log_ratio_tile(
+            lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, True, ROWS, BLOCK
+        )
+        tok_lr = tl.clamp(raw, -clamp, clamp)
+        adv = _load_tile(adv_ptr, bb, tt, s_ab, s_at, inb)
         ref = lp
         w = lp
         if HAS_REF:
-            ref = _load_row(ref_ptr, bb, tt, s_rb, s_rt, inb)
+            ref = _load_tile(ref_ptr, bb, tt, s_rb, s_rt, inb)
         if HAS_W:
-            w = _load_row(w_ptr, bb, tt, s_wb, s_wt, inb)
+            w = _load_tile(w_ptr, bb, tt, s_wb, s_wt, inb)
         seq_s = 0.0
         seq_n = 0.0
-        if SEQ_RATIO:
-            seq_s, seq_n = _row_stats(pre_ptr, b, rows, NT, ROWS)
-        tok_lr, r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
+        if SEQ_RATIO or PER_SEQ_MEAN:
+            # [ROWS, 1] x 2: the raw log-ratio sum and real-token count of the rows (pre-pass)
+            seq_s, seq_n = _seq_partials(pre_ptr, b, rows, NT, ROWS)
+            seq_s = seq_s[:, None]
+            seq_n = seq_n[:, None]
+        r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
             lp,
-            old,
+            raw,
+            tok_lr,
             adv,
             m,
             ref,
@@ -244,36 +232,52 @@ if triton is not None:
             HAS_REF,
             HAS_W,
         )
-        if SEQ_RATIO:
-            tok_e = _exp(tok_lr)
+        if BWD:
+            d = dpg
+            if KL_TERM:
+                d = d + kl_beta * dkl
+            if DENOM_FROM_PTR:
+                denom = tl.load(denom_ptr)
+            else:
+                denom = denom_const
+            c = tl.where(m, 1.0, 0.0)
+            if PER_SEQ_MEAN:
+                c = c / tl.maximum(seq_n, 1.0)
+            c = c / denom
+            g = tl.load(grad_ptr)
+            out = g * (c * d)
+            tl.store(out_ptr + bb * T + tt, out.to(out_ptr.dtype.element_ty), mask=inb)
         else:
-            tok_e = r
-        one = tl.full((ROWS, BLOCK), 1.0, tl.float32)
-        zero = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        p = part_ptr + (b * NT + j) * STATS
-        low = m & clipped & (r < 1.0)
-        high = m & clipped & (r > 1.0)
-        k3 = _k3(tok_lr, tok_e)
-        k2 = tok_lr * tok_lr * 0.5
-        tl.store(p + 0, _tree_sum_rows(tl.where(m, pg, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(p + 1, _tree_sum_rows(tl.where(m, kl, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        clip_n = _tree_sum_rows(tl.where(m & clipped, one, zero), ROWS, BLOCK, LOG_BLOCK)
-        tl.store(p + 2, clip_n, mask=rows)
-        tl.store(p + 3, _tree_sum_rows(tl.where(low, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(
-            p + 4, _tree_sum_rows(tl.where(high, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows
-        )
-        dual_n = _tree_sum_rows(tl.where(m & dual, one, zero), ROWS, BLOCK, LOG_BLOCK)
-        tl.store(p + 5, dual_n, mask=rows)
-        tl.store(
-            p + 6, _tree_sum_rows(tl.where(m, -tok_lr, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows
-        )
-        tl.store(p + 7, _tree_sum_rows(tl.where(m, k3, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(p + 8, _tree_sum_rows(tl.where(m, k2, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(p + 9, _tree_sum_rows(tl.where(m, r, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(p + 10, _tree_sum_rows(tl.where(m, one, zero), ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        tl.store(p + 11, tl.min(tl.where(m, r, float("inf")), axis=1), mask=rows)
-        tl.store(p + 12, tl.max(tl.where(m, r, -float("inf")), axis=1), mask=rows)
+            if SEQ_RATIO:
+                tok_e = _exp(tok_lr)
+            else:
+                tok_e = r
+            one = tl.full((ROWS, BLOCK), 1.0, tl.float32)
+            zero = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            p = out_ptr + (b * NT + j) * STATS
+            low = m & clipped & (r < 1.0)
+            high = m & clipped & (r > 1.0)
+            k3 = _k3(tok_lr, tok_e)
+            k2 = tok_lr * tok_lr * 0.5
+            tl.store(p + 0, _tree_sum_rows(tl.where(m, pg, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+            tl.store(p + 1, _tree_sum_rows(tl.where(m, kl, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+            clip_n = _tree_sum_rows(tl.where(m & clipped, one, zero), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 2, clip_n, mask=rows)
+            low_n = _tree_sum_rows(tl.where(low, one, zero), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 3, low_n, mask=rows)
+            high_n = _tree_sum_rows(tl.where(high, one, zero), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 4, high_n, mask=rows)
+            dual_n = _tree_sum_rows(tl.where(m & dual, one, zero), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 5, dual_n, mask=rows)
+            ppo_kl = _tree_sum_rows(tl.where(m, -tok_lr, 0.0), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 6, ppo_kl, mask=rows)
+            tl.store(p + 7, _tree_sum_rows(tl.where(m, k3, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+            tl.store(p + 8, _tree_sum_rows(tl.where(m, k2, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+            tl.store(p + 9, _tree_sum_rows(tl.where(m, r, 0.0), ROWS, BLOCK, LOG_BLOCK), mask=rows)
+            n_tok = _tree_sum_rows(tl.where(m, one, zero), ROWS, BLOCK, LOG_BLOCK)
+            tl.store(p + 10, n_tok, mask=rows)
+            tl.store(p + 11, tl.min(tl.where(m, r, float("inf")), axis=1), mask=rows)
+            tl.store(p + 12, tl.max(tl.where(m, r, -float("inf")), axis=1), mask=rows)
 
     @triton.jit
     def _grpo_reduce_kernel(
@@ -352,103 +356,6 @@ if triton is not None:
             tl.store(out_ptr + 12, ntok)
             tl.store(out_ptr + 13, nseq)
 
-    @triton.jit
-    def _grpo_bwd_kernel(
-        grad_ptr,
-        denom_ptr,
-        lp_ptr,
-        old_ptr,
-        adv_ptr,
-        m_ptr,
-        ref_ptr,
-        w_ptr,
-        pre_ptr,
-        d_ptr,
-        B,
-        T,
-        NT,
-        s_lb,
-        s_lt,
-        s_ob,
-        s_ot,
-        s_ab,
-        s_at,
-        s_mb,
-        s_mt,
-        s_rb,
-        s_rt,
-        s_wb,
-        s_wt,
-        clamp,
-        r_lo,
-        r_hi,
-        dual_c,
-        kl_beta,
-        denom_const,
-        SEQ_RATIO: tl.constexpr,
-        HAS_DUAL: tl.constexpr,
-        HAS_REF: tl.constexpr,
-        HAS_W: tl.constexpr,
-        KL_TERM: tl.constexpr,
-        PER_SEQ_MEAN: tl.constexpr,
-        DENOM_FROM_PTR: tl.constexpr,
-        ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64)
-        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        rows = b < B
-        inb = rows[:, None] & (t < T)[None, :]
-        bb = b[:, None]
-        tt = t[None, :]
-        m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
-        lp = _load_row(lp_ptr, bb, tt, s_lb, s_lt, inb)
-        old = _load_row(old_ptr, bb, tt, s_ob, s_ot, inb)
-        adv = _load_row(adv_ptr, bb, tt, s_ab, s_at, inb)
-        ref = lp
-        w = lp
-        if HAS_REF:
-            ref = _load_row(ref_ptr, bb, tt, s_rb, s_rt, inb)
-        if HAS_W:
-            w = _load_row(w_ptr, bb, tt, s_wb, s_wt, inb)
-        seq_s = 0.0
-        seq_n = 0.0
-        if SEQ_RATIO or PER_SEQ_MEAN:
-            seq_s, seq_n = _row_stats(pre_ptr, b, rows, NT, ROWS)
-        tok_lr, r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
-            lp,
-            old,
-            adv,
-            m,
-            ref,
-            w,
-            seq_s,
-            seq_n,
-            clamp,
-            r_lo,
-            r_hi,
-            dual_c,
-            SEQ_RATIO,
-            HAS_DUAL,
-            HAS_REF,
-            HAS_W,
-        )
-        d = dpg
-        if KL_TERM:
-            d = d + kl_beta * dkl
-        if DENOM_FROM_PTR:
-            denom = tl.load(denom_ptr)
-        else:
-            denom = denom_const
-        c = tl.where(m, 1.0, 0.0)
-        if PER_SEQ_MEAN:
-            c = c / tl.maximum(seq_n, 1.0)
-        c = c / denom
-        g = tl.load(grad_ptr)
-        out = g * (c * d)
-        tl.store(d_ptr + bb * T + tt, out.to(d_ptr.dtype.element_ty), mask=inb)
-
 
 def _kernel(name: str, device: torch.device) -> Any:
     return _rk._kernel(name, device, globals())
@@ -504,36 +411,34 @@ def _launch_reduce(part, out, b, nt, t, loss_agg, loss_norm, counts_only, stats)
 
 
 def _launch_tokens(
-    name: str,
-    lead: tuple[torch.Tensor, ...],
     tensors: tuple[torch.Tensor | None, ...],
     m8: torch.Tensor,
-    pre: torch.Tensor,
+    pre: torch.Tensor | None,
     out: torch.Tensor,
     o: Options,
-    scalars: tuple[float, ...],
-    **constexprs: Any,
+    bwd: tuple[torch.Tensor, torch.Tensor, float, bool, bool] | None = None,
 ) -> None:
-    """Launch the token kernel ``name`` (forward or backward) on a (row blocks, T tiles) grid.
-
-    Arguments, in order: the ``lead`` pointers, the six inputs (``logp`` in place of an absent
-    one), ``pre``, ``out``, the sizes, the inputs' strides, the options' scalars and ``scalars``;
-    then the options' constexprs, the launch constants and ``constexprs``."""
+    """Launch the token kernel on a (row blocks, T tiles) grid: the forward's tile statistics
+    into ``out`` (``bwd`` None), or the backward's ``d logp`` into ``out`` with ``bwd`` =
+    ``(grad [1], denom [1], denom_const, per_seq_mean, denom_from_ptr)`` (fp32 tensors).
+    ``pre``: the pre-pass partials, where the kernel reads them."""
     logp, old_logp, advantages, _, ref_logp, is_weights = tensors
     b, t = logp.shape
     dev = logp.device
     nt = _tr.cdiv(t, BLOCK_T)
+    grad, denom, denom_const, seq_mean, denom_from_ptr = bwd or (out, out, 0.0, False, False)
     with _rk._guard(logp):
         rows = _rk.rows_per_program(dev)
-        _kernel(name, dev)[(_tr.cdiv(b, rows), nt)](
-            *lead,
+        _kernel("_grpo_token_kernel", dev)[(_tr.cdiv(b, rows), nt)](
+            grad,
+            denom,
             logp,
             old_logp,
             advantages,
             m8,
             ref_logp if ref_logp is not None else logp,
             is_weights if is_weights is not None else logp,
-            pre,
+            pre if pre is not None else out,
             out,
             b,
             t,
@@ -548,15 +453,21 @@ def _launch_tokens(
             1.0 - float(o.clip_low),
             1.0 + float(o.clip_high),
             float(o.dual_clip),
-            *scalars,
+            float(o.kl_beta),
+            denom_const,
             SEQ_RATIO=o.ratio_type == "sequence",
             HAS_DUAL=o.dual_clip != 0.0,
             HAS_REF=ref_logp is not None,
             HAS_W=is_weights is not None,
+            BWD=bwd is not None,
+            KL_TERM=bwd is not None and o.kl_beta != 0.0 and ref_logp is not None,
+            PER_SEQ_MEAN=seq_mean,
+            DENOM_FROM_PTR=denom_from_ptr,
+            STATS=_STATS,
             ROWS=rows,
             BLOCK=BLOCK_T,
+            LOG_BLOCK=_LOG_BLOCK_T,
             num_warps=_NUM_WARPS,
-            **constexprs,
         )
 
 
@@ -602,8 +513,7 @@ def grpo_loss(
     pre = _prepass(logp, old_logp, m8, nt) if ratio_type == "sequence" else None
     part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
     if b > 0 and nt > 0:
-        fwd = ("_grpo_fwd_kernel", (), tensors, m8, pre if pre is not None else part, part)
-        _launch_tokens(*fwd, o, (), STATS=_STATS, LOG_BLOCK=_LOG_BLOCK_T)
+        _launch_tokens(tensors, m8, pre, part, o)
     metrics = torch.empty((len(METRIC_NAMES),), dtype=torch.float32, device=dev)
     _launch_reduce(part, metrics, b, nt, t, loss_agg, loss_norm, False, _STATS)
     # the reference's expression, on the metric scalars
@@ -655,15 +565,7 @@ def grpo_loss_backward(
     o = Options(
         clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
     )
-    bwd = ("_grpo_bwd_kernel", (g, denom), tensors, m8, pre if pre is not None else denom, d_logp)
-    _launch_tokens(
-        *bwd,
-        o,
-        (float(kl_beta), denom_const),
-        KL_TERM=kl_beta != 0.0 and ref_logp is not None,
-        PER_SEQ_MEAN=seq_mean,
-        DENOM_FROM_PTR=denom_from_ptr,
-    )
+    _launch_tokens(tensors, m8, pre, d_logp, o, (g, denom, denom_const, seq_mean, denom_from_ptr))
     return d_logp
 
 

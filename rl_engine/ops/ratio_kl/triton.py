@@ -94,6 +94,82 @@ if triton is not None:
         return tl.where(tl.abs(x) < 0.25, _k3(x, e) + x, e - 1.0)
 
     @triton.jit
+    def _tile(B, T, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's tile of a (row blocks, T tiles) grid: sequences ``b`` [ROWS], tile
+        index ``j``, ``rows`` (b < B), ``inb`` [ROWS, BLOCK] (in bounds) and the broadcast
+        indices ``bb`` [ROWS, 1], ``tt`` [1, BLOCK] (int64 offsets)."""
+        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        rows = b < B
+        inb = rows[:, None] & (t < T)[None, :]
+        return b, j, rows, inb, b[:, None], t[None, :]
+
+    @triton.jit
+    def _load_tile(ptr, bb, tt, s_b, s_t, inb):
+        """A [ROWS, BLOCK] tile of a strided [B, T] input as fp32 (0 out of bounds)."""
+        return tl.load(ptr + bb * s_b + tt * s_t, mask=inb, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _load_mask(m_ptr, bb, tt, s_mb, s_mt, inb, HAS_MASK: tl.constexpr):
+        """The tile's real tokens: the uint8 mask's nonzeros in bounds (all in bounds without
+        a mask)."""
+        if HAS_MASK:
+            m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
+        else:
+            m = inb
+        return m
+
+    @triton.jit
+    def _log_ratio_tile(
+        lp_ptr,
+        old_ptr,
+        m_ptr,
+        B,
+        T,
+        s_lb,
+        s_lt,
+        s_ob,
+        s_ot,
+        s_mb,
+        s_mt,
+        HAS_MASK: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """This program's tile (:func:`_tile`) with ``logp`` (fp32), the real tokens ``m`` and
+        the raw log-ratio ``m * (logp - old_logp)`` (masked tokens read as 0): ``(b, j, rows,
+        inb, bb, tt, lp, m, raw)``."""
+        b, j, rows, inb, bb, tt = _tile(B, T, ROWS, BLOCK)
+        lp = _load_tile(lp_ptr, bb, tt, s_lb, s_lt, inb)
+        old = _load_tile(old_ptr, bb, tt, s_ob, s_ot, inb)
+        m = _load_mask(m_ptr, bb, tt, s_mb, s_mt, inb, HAS_MASK)
+        raw = tl.where(m, lp - old, 0.0)
+        return b, j, rows, inb, bb, tt, lp, m, raw
+
+    @triton.jit
+    def _store_partials(
+        part_ptr, x, m, b, j, NT, rows, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr
+    ):
+        """Each row's tile partials ``(sum of x, real-token count)`` at ``part[b * NT + j]``."""
+        p = (b * NT + j) * 2
+        tl.store(part_ptr + p, _tree_sum_rows(x, ROWS, N, LOG_N), mask=rows)
+        cnt = _tree_sum_rows(m.to(tl.float32), ROWS, N, LOG_N)
+        tl.store(part_ptr + p + 1, cnt, mask=rows)
+
+    @triton.jit
+    def _seq_partials(part_ptr, b, inb, NT, N: tl.constexpr):
+        """[N] x 2: the tile partials of :func:`_store_partials` of sequences ``b`` (``inb``),
+        added sequentially in tile order."""
+        s = tl.zeros((N,), dtype=tl.float32)
+        n = tl.zeros((N,), dtype=tl.float32)
+        for j in range(0, NT):
+            p = (b * NT + j) * 2
+            s = s + tl.load(part_ptr + p, mask=inb, other=0.0)
+            n = n + tl.load(part_ptr + p + 1, mask=inb, other=0.0)
+        return s, n
+
+    @triton.jit
     def _ratio_kl_tile_kernel(
         lp_ptr,
         old_ptr,
@@ -125,23 +201,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,
     ):
-        # One program per (ROWS sequences, tile j): token outputs (STORE) and each row's tile
-        # partial sums (log-ratio, real-token count) for the per-sequence pass. Rows are
-        # independent lanes: ROWS is a launch parameter, not part of the numerics.
-        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64)
-        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        rows = b < B
-        inb = rows[:, None] & (t < T)[None, :]
-        bb = b[:, None]
-        tt = t[None, :]
-        lp = tl.load(lp_ptr + bb * s_lb + tt * s_lt, mask=inb, other=0.0).to(tl.float32)
-        old = tl.load(old_ptr + bb * s_ob + tt * s_ot, mask=inb, other=0.0).to(tl.float32)
-        if HAS_MASK:
-            m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
-        else:
-            m = inb
-        raw = tl.where(m, lp - old, 0.0)
+        """One program per (ROWS sequences, tile j): token outputs (STORE) and each row's tile
+        partial sums (log-ratio, real-token count) for the per-sequence pass. Rows are
+        independent lanes: ROWS is a launch parameter, not part of the numerics."""
+        b, j, rows, inb, bb, tt, _, m, raw = _log_ratio_tile(
+            lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, HAS_MASK, ROWS, BLOCK
+        )
         lr = tl.clamp(raw, -clamp, clamp)
         if STORE:
             r = _exp(lr)
@@ -155,10 +220,7 @@ if triton is not None:
             tl.store(k3_ptr + o, _k3(lr, r), mask=inb)
             tl.store(w_ptr + o, w, mask=inb)
             tl.store(keep_ptr + o, keep.to(tl.int8), mask=inb)
-        p = (b * NT + j) * 2
-        tl.store(part_ptr + p, _tree_sum_rows(lr, ROWS, BLOCK, LOG_BLOCK), mask=rows)
-        cnt = _tree_sum_rows(m.to(tl.float32), ROWS, BLOCK, LOG_BLOCK)
-        tl.store(part_ptr + p + 1, cnt, mask=rows)
+        _store_partials(part_ptr, lr, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
 
     @triton.jit
     def _ratio_kl_seq_kernel(
@@ -185,12 +247,7 @@ if triton is not None:
         # One lane per sequence: tile partials added sequentially in tile order.
         b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
         inb = b < B
-        s = tl.zeros((BLOCK_B,), dtype=tl.float32)
-        n = tl.zeros((BLOCK_B,), dtype=tl.float32)
-        for j in range(0, NT):
-            p = (b * NT + j) * 2
-            s = s + tl.load(part_ptr + p, mask=inb, other=0.0)
-            n = n + tl.load(part_ptr + p + 1, mask=inb, other=0.0)
+        s, n = _seq_partials(part_ptr, b, inb, NT, BLOCK_B)
         n1 = tl.maximum(n, 1.0)
         if GEOMETRIC:
             s = s / n1
@@ -246,29 +303,20 @@ if triton is not None:
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64)
-        t = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        rows = b < B
-        inb = rows[:, None] & (t < T)[None, :]
-        bb = b[:, None]
-        tt = t[None, :]
-        lp = tl.load(lp_ptr + bb * s_lb + tt * s_lt, mask=inb, other=0.0).to(tl.float32)
-        old = tl.load(old_ptr + bb * s_ob + tt * s_ot, mask=inb, other=0.0).to(tl.float32)
-        if HAS_MASK:
-            m = (tl.load(m_ptr + bb * s_mb + tt * s_mt, mask=inb, other=0) != 0) & inb
-        else:
-            m = inb
-        raw = tl.where(m, lp - old, 0.0)
+        """Per token ``d logp = [in clamp range] * (g_lr + gseq[b])`` (the reference's formula,
+        ``gseq`` from the per-sequence kernel) and ``d old_logp = -d logp``."""
+        b, _, rows, inb, bb, tt, _, m, raw = _log_ratio_tile(
+            lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, HAS_MASK, ROWS, BLOCK
+        )
         lr = tl.clamp(raw, -clamp, clamp)
         inr = m & (raw >= -clamp) & (raw <= clamp)
         r = _exp(lr)
         rm1 = _expm1(lr, r)
-        g1 = tl.load(g_lr_ptr + bb * s_g1b + tt * s_g1t, mask=inb, other=0.0).to(tl.float32)
-        g2 = tl.load(g_r_ptr + bb * s_g2b + tt * s_g2t, mask=inb, other=0.0).to(tl.float32)
-        g3 = tl.load(g_k1_ptr + bb * s_g3b + tt * s_g3t, mask=inb, other=0.0).to(tl.float32)
-        g4 = tl.load(g_k2_ptr + bb * s_g4b + tt * s_g4t, mask=inb, other=0.0).to(tl.float32)
-        g5 = tl.load(g_k3_ptr + bb * s_g5b + tt * s_g5t, mask=inb, other=0.0).to(tl.float32)
+        g1 = _load_tile(g_lr_ptr, bb, tt, s_g1b, s_g1t, inb)
+        g2 = _load_tile(g_r_ptr, bb, tt, s_g2b, s_g2t, inb)
+        g3 = _load_tile(g_k1_ptr, bb, tt, s_g3b, s_g3t, inb)
+        g4 = _load_tile(g_k2_ptr, bb, tt, s_g4b, s_g4t, inb)
+        g5 = _load_tile(g_k3_ptr, bb, tt, s_g5b, s_g5t, inb)
         g = g1 + g2 * r - g3
         g = g + g4 * lr + g5 * rm1
         gs = tl.load(gseq_ptr + b, mask=rows, other=0.0)
