@@ -319,8 +319,9 @@ def plot(rows: list[dict], limits: dict, path: Path) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(
-        __doc__.splitlines()[0],
+    started = common.start(
+        __doc__,
+        "bench_det_gemm",
         lambda p: (
             p.add_argument("--sweep", action="store_true", help="tile-config sweep too"),
             p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks"),
@@ -335,10 +336,9 @@ def main() -> None:
             ),
         ),
     )
-    if not torch.cuda.is_available():
-        print("bench_det_gemm: no CUDA device; nothing to measure")
+    if started is None:
         return
-    limits = common.load_or_measure_limits(args.out, quick=args.quick)
+    args, limits = started
     if args.sweep:
         sweep = run_sweep(args)
         common.write_json(args.out, "det_gemm_sweep", sweep)

@@ -90,28 +90,37 @@ def torch_grpo_loss(
     return seq.sum() / (n > 0).sum().clamp(min=1)
 
 
+def _triton_loss(lp: torch.Tensor, x: dict[str, torch.Tensor], agg: str) -> torch.Tensor:
+    """rl_engine's Triton ``grpo_loss`` of the log-probs ``lp`` against the other inputs in
+    ``x`` (the benchmark's options)."""
+    return grpo_loss(
+        lp,
+        x["old_logp"],
+        x["advantages"],
+        x["mask"],
+        ref_logp=x["ref_logp"],
+        loss_agg=agg,
+        backend="triton",
+        **OPTS,
+    ).loss
+
+
+def _torch_loss(lp: torch.Tensor, x: dict[str, torch.Tensor], agg: str) -> torch.Tensor:
+    """:func:`torch_grpo_loss` of the log-probs ``lp`` against the other inputs in ``x``."""
+    return torch_grpo_loss(
+        lp, x["old_logp"], x["advantages"], x["mask"], x["ref_logp"], agg, **OPTS
+    )
+
+
 def _loss_fns(x: dict[str, torch.Tensor], agg: str) -> tuple[Callable[[], None], ...]:
     """(rl_engine triton, eager torch): forward + backward wrt logp."""
     lp = x["logp"].clone().requires_grad_(True)
 
     def ours() -> None:
-        out = grpo_loss(
-            lp,
-            x["old_logp"],
-            x["advantages"],
-            x["mask"],
-            ref_logp=x["ref_logp"],
-            loss_agg=agg,
-            backend="triton",
-            **OPTS,
-        )
-        torch.autograd.grad(out.loss, lp)
+        torch.autograd.grad(_triton_loss(lp, x, agg), lp)
 
     def base() -> None:
-        loss = torch_grpo_loss(
-            lp, x["old_logp"], x["advantages"], x["mask"], x["ref_logp"], agg, **OPTS
-        )
-        torch.autograd.grad(loss, lp)
+        torch.autograd.grad(_torch_loss(lp, x, agg), lp)
 
     return ours, base
 
@@ -171,10 +180,7 @@ def _head_rows(quick: bool) -> tuple[list[dict[str, Any]], str | None]:
     agg = "token-mean"
 
     def loss_of(lp: torch.Tensor) -> torch.Tensor:
-        return torch_grpo_loss(
-            lp.view(HEAD_B, HEAD_T), x["old_logp"], x["advantages"], x["mask"], x["ref_logp"], agg,
-            **OPTS,
-        )  # fmt: skip
+        return _torch_loss(lp.view(HEAD_B, HEAD_T), x, agg)
 
     def materialised() -> None:
         torch.autograd.grad(loss_of(_torch_logp(h, w, tok)), (h, w))
@@ -199,17 +205,7 @@ def _head_rows(quick: bool) -> tuple[list[dict[str, Any]], str | None]:
 
         def fused() -> None:
             lp = linear_logp(h, w, tok, 1.0, backend="triton")
-            out = grpo_loss(
-                lp.view(HEAD_B, HEAD_T),
-                x["old_logp"],
-                x["advantages"],
-                x["mask"],
-                ref_logp=x["ref_logp"],
-                loss_agg=agg,
-                backend="triton",
-                **OPTS,
-            )
-            torch.autograd.grad(out.loss, (h, w))
+            torch.autograd.grad(_triton_loss(lp.view(HEAD_B, HEAD_T), x, agg), (h, w))
 
         cands = {"rl_engine_fused": fused, **cands}
     else:

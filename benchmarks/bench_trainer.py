@@ -13,6 +13,7 @@ batch (invariance at this scale). Writes ``DIR/trainer.json``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -88,23 +89,11 @@ def build(kind: str, layers: int):
     torch.manual_seed(0)
     if kind == "stock":
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        model = GPTModel(
-            cfg,
-            spec,
-            vocab_size=MODEL["vocab"],
-            max_sequence_length=MODEL["seq"],
-            position_embedding_type="rope",
-            rotary_base=int(MODEL["theta"]),
-        )
-    else:
+        rope = dict(position_embedding_type="rope", rotary_base=int(MODEL["theta"]))
+    else:  # the rl_engine spec carries the rotary embedding (RopeSettings)
         spec = get_gpt_block_rl_spec(layers, rope=RopeSettings(theta=MODEL["theta"]))
-        model = GPTModel(
-            cfg,
-            spec,
-            vocab_size=MODEL["vocab"],
-            max_sequence_length=MODEL["seq"],
-            position_embedding_type="none",
-        )
+        rope = dict(position_embedding_type="none")
+    model = GPTModel(cfg, spec, vocab_size=MODEL["vocab"], max_sequence_length=MODEL["seq"], **rope)
     return model.cuda().to(torch.bfloat16)
 
 
@@ -120,15 +109,16 @@ def rl_logprobs(model, ids: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     return token_logprobs(model, ids, temperature, vocab_size=MODEL["vocab"])
 
 
+def add_shape_arguments(p: argparse.ArgumentParser, batch: int) -> None:
+    """``--layers`` and ``--seq`` (the model's by default) and ``--batch`` (default ``batch``):
+    the shape arguments of this benchmark and of ``bench_trainer_hf.py``."""
+    p.add_argument("--layers", type=int, default=MODEL["layers"])
+    p.add_argument("--seq", type=int, default=MODEL["seq"])
+    p.add_argument("--batch", type=int, default=batch)
+
+
 def main() -> None:
-    args = common.parse_args(
-        __doc__.splitlines()[0],
-        lambda p: (
-            p.add_argument("--layers", type=int, default=MODEL["layers"]),
-            p.add_argument("--seq", type=int, default=MODEL["seq"]),
-            p.add_argument("--batch", type=int, default=1),
-        ),
-    )
+    args = common.parse_args(__doc__.splitlines()[0], lambda p: add_shape_arguments(p, batch=1))
     if not torch.cuda.is_available():
         raise SystemExit("bench_trainer.py needs a CUDA device")
     _setup_megatron()

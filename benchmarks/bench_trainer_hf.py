@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
-from bench_trainer import MODEL  # noqa: E402
+from bench_trainer import MODEL, add_shape_arguments  # noqa: E402
 
 ROWS = (
     "hf_sdpa",
@@ -162,9 +162,7 @@ def main() -> None:
     args = common.parse_args(
         __doc__.splitlines()[0],
         lambda p: (
-            p.add_argument("--layers", type=int, default=MODEL["layers"]),
-            p.add_argument("--seq", type=int, default=MODEL["seq"]),
-            p.add_argument("--batch", type=int, default=2),
+            add_shape_arguments(p, batch=2),
             p.add_argument("--no-megatron", action="store_true"),
             p.add_argument("--rows", default=None, help="comma separated rows (default: all)"),
             p.add_argument("--profile", action="store_true", help="also profile each row"),

@@ -301,10 +301,13 @@ def finish(
     return path
 
 
-def start(doc: str, name: str) -> tuple[argparse.Namespace, dict[str, float]] | None:
-    """A GPU benchmark's first step: its arguments (described by the first line of ``doc``)
-    and the device's measured limits; ``None`` (said once) without a CUDA device."""
-    args = parse_args(doc.splitlines()[0])
+def start(
+    doc: str, name: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[argparse.Namespace, dict[str, float]] | None:
+    """A GPU benchmark's first step: its arguments (described by the first line of ``doc``;
+    ``extra`` adds its own, as in :func:`parse_args`) and the device's measured limits; ``None``
+    (said once) without a CUDA device."""
+    args = parse_args(doc.splitlines()[0], extra)
     if not torch.cuda.is_available():
         print(f"{name}: no CUDA device; nothing to measure")
         return None
