@@ -217,3 +217,49 @@ def register_triton(package: str, *also: str) -> None:
     KernelRegistry.register_provider(mod.PROVIDER, first=True)
     for name in also:
         KernelRegistry.register_provider(getattr(mod, name))
+
+
+def lse_reduction_ops(
+    op: str, forward: Any, backward: Any, check: Any, *, saves_value: bool = False
+) -> tuple[Any, Any]:
+    """The custom ops ``rl_engine::<op>`` and ``rl_engine::<op>_backward`` of a vocabulary
+    reduction (``logp``, ``entropy``) and their autograd, in one place for those ops.
+
+    ``forward(logits, *more_tensors, temperature) -> (value, lse)`` (fp32 [T] each; the
+    providers' ``forward`` extra) and ``backward(logits, *more_tensors, temperature, lse,
+    [value,] grad) -> dlogits`` (their ``backward`` extra) are the reference functions that
+    give the schemas (:func:`provider_op`); ``check`` (the forward's arguments) validates them
+    in the fake. Autograd saves the tensor inputs and ``lse`` (and ``value`` where
+    ``saves_value``: the entropy's gradient needs it); ``lse`` is not differentiable; only
+    ``logits`` gets a gradient, computed only where it needs one.
+    """
+
+    def forward_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        check(*args)
+        logits, t = args[0], args[0].shape[0]
+        return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
+
+    def backward_fake(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(logits)
+
+    forward_op = provider_op(op, op, forward, forward_fake, "forward")
+    backward_op = provider_op(op, f"{op}_backward", backward, backward_fake, "backward")
+
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        *tensors, temperature, provider = inputs
+        value, lse = output
+        ctx.save_for_backward(*tensors, lse, *((value,) if saves_value else ()))
+        ctx.n_tensors = len(tensors)
+        ctx.temperature = temperature
+        ctx.provider = provider
+        ctx.mark_non_differentiable(lse)
+
+    def grad_fn(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor) -> tuple:
+        saved, n = ctx.saved_tensors, ctx.n_tensors
+        dlogits = None
+        if ctx.needs_input_grad[0]:
+            dlogits = backward_op(*saved[:n], ctx.temperature, *saved[n:], grad, ctx.provider)
+        return (dlogits,) + (None,) * (n + 1)
+
+    forward_op.register_autograd(grad_fn, setup_context=setup_context)
+    return forward_op, backward_op

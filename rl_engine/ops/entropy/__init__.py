@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import check_tensor, lse_reduction_ops, register_op, register_triton
 from rl_engine.ops.entropy import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import resolve_provider
@@ -17,42 +17,13 @@ from rl_engine.registry import resolve_provider
 __all__ = ["entropy"]
 
 
-def _entropy_fake(logits, temperature):
-    reference._check(logits, temperature)
-    t = logits.shape[0]
-    return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
-
-
-_entropy_op = provider_op("entropy", "entropy", reference.entropy_forward, _entropy_fake, "forward")
-
-
-def _entropy_backward_fake(logits, temperature, lse, entropy, grad):
-    return torch.empty_like(logits)
-
-
-_entropy_backward_op = provider_op(
-    "entropy", "entropy_backward", reference.entropy_backward, _entropy_backward_fake, "backward"
+_entropy_op, _entropy_backward_op = lse_reduction_ops(
+    "entropy",
+    reference.entropy_forward,
+    reference.entropy_backward,
+    reference._check,
+    saves_value=True,
 )
-
-
-def _setup_context(ctx, inputs, output):
-    logits, temperature, provider = inputs
-    ent, lse = output
-    ctx.save_for_backward(logits, lse, ent)
-    ctx.temperature = temperature
-    ctx.provider = provider
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad, _grad_lse):
-    logits, lse, ent = ctx.saved_tensors
-    dlogits = None
-    if ctx.needs_input_grad[0]:
-        dlogits = _entropy_backward_op(logits, ctx.temperature, lse, ent, grad, ctx.provider)
-    return dlogits, None, None
-
-
-_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _entry(logits: torch.Tensor, temperature: float = 1.0, *, provider: str) -> torch.Tensor:

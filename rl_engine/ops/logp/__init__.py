@@ -9,49 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import check_tensor, lse_reduction_ops, register_op, register_triton
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["logp", "logp_at", "sampled_logp"]
 
 
-def _logp_fake(logits, tokens, temperature):
-    reference._check(logits, tokens, temperature)
-    t = logits.shape[0]
-    return logits.new_empty(t, dtype=torch.float32), logits.new_empty(t, dtype=torch.float32)
-
-
-_logp_op = provider_op("logp", "logp", reference.logp_forward, _logp_fake, "forward")
-
-
-def _logp_backward_fake(logits, tokens, temperature, lse, grad):
-    return torch.empty_like(logits)
-
-
-_logp_backward_op = provider_op(
-    "logp", "logp_backward", reference.logp_backward, _logp_backward_fake, "backward"
+_logp_op, _logp_backward_op = lse_reduction_ops(
+    "logp", reference.logp_forward, reference.logp_backward, reference._check
 )
-
-
-def _setup_context(ctx, inputs, output):
-    logits, tokens, temperature, provider = inputs
-    _, lse = output
-    ctx.save_for_backward(logits, tokens, lse)
-    ctx.temperature = temperature
-    ctx.provider = provider
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad, _grad_lse):
-    logits, tokens, lse = ctx.saved_tensors
-    dlogits = None
-    if ctx.needs_input_grad[0]:
-        dlogits = _logp_backward_op(logits, tokens, ctx.temperature, lse, grad, ctx.provider)
-    return dlogits, None, None, None
-
-
-_logp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _entry(
