@@ -263,3 +263,52 @@ def lse_reduction_ops(
 
     forward_op.register_autograd(grad_fn, setup_context=setup_context)
     return forward_op, backward_op
+
+
+def signature_of(spec: Any, *lead: str) -> Any:
+    """Decorator: a provider function written ``fn(*args)`` gets the signature of ``spec`` (its
+    op's reference, which every provider keeps and the registry checks) instead of spelling the
+    argument list out again. ``lead``: tensor arguments before ``spec``'s (a backward's upstream
+    gradient); the return annotation stays ``fn``'s. Keyword calls are bound to positions first,
+    as a function with that signature binds them (a wrong call raises the same ``TypeError``)."""
+    import functools
+    import inspect
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(n, kind, annotation="torch.Tensor") for n in lead]
+    params += inspect.signature(spec).parameters.values()
+
+    def wrap(fn: Any) -> Any:
+        ret = inspect.signature(fn).return_annotation
+        sig = inspect.Signature(params, return_annotation=ret)
+
+        @functools.wraps(fn)
+        def provider(*args: Any, **kwargs: Any) -> Any:
+            if kwargs or len(args) != len(params):
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                args = bound.args
+            return fn(*args)
+
+        provider.__signature__ = sig  # type: ignore[attr-defined]
+        return provider
+
+    return wrap
+
+
+def entry_arguments(public: Any) -> Any:
+    """For an op's registry entry, called as its ``public`` function but with the provider
+    given instead of ``backend``: a function that binds ``(*args, **kwargs)`` as ``public``
+    (less ``backend``) binds them, defaults applied, and returns the arguments by name in
+    ``public``'s order (a wrong call raises ``public``'s ``TypeError``)."""
+    import inspect
+
+    sig = inspect.signature(public)
+    sig = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "backend"])
+
+    def bind(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    return bind

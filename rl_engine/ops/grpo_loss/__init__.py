@@ -10,13 +10,26 @@ runs too) and builds the :class:`GRPOLoss` / :class:`GRPOMetrics` named tuples.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import (
+    check_tensor,
+    entry_arguments,
+    provider_op,
+    register_op,
+    register_triton,
+)
 from rl_engine.ops.grpo_loss import reference
-from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, check, normalize
+from rl_engine.ops.grpo_loss.args import (
+    AGG_MODES,
+    METRIC_NAMES,
+    TENSOR_NAMES,
+    Options,
+    check,
+    normalize,
+)
 from rl_engine.registry import resolve_provider
 
 __all__ = ["AGG_MODES", "GRPOLoss", "GRPOMetrics", "grpo_loss"]
@@ -104,28 +117,9 @@ def _backward(ctx, grad, _grad_metrics):
 _grpo_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _entry(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    ratio_type: str = "token",
-    loss_agg: str = "token-mean",
-    loss_norm: float | None = None,
-    kl_beta: float = 0.0,
-    ref_logp: torch.Tensor | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    log_ratio_clamp: float = 20.0,
-    provider: str,
-) -> GRPOLoss:
-    tensors, opts = normalize(
-        (logp, old_logp, advantages, mask, ref_logp, rollout_is_weights),
-        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
-    )
+def _run(tensors: tuple, options: tuple, provider: str) -> GRPOLoss:
+    """The op on the public arguments (:func:`rl_engine.ops.grpo_loss.args.normalize`'s)."""
+    tensors, opts = normalize(tensors, options)
     loss, metrics = _grpo_loss_op(*tensors, *opts, provider)
     return GRPOLoss(loss, GRPOMetrics(*metrics.unbind(0)))
 
@@ -186,23 +180,20 @@ def grpo_loss(
     """
     check_tensor("logp", logp)
     provider = resolve_provider("grpo_loss", logp.device.type, backend)
-    return _entry(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        ratio_type=ratio_type,
-        loss_agg=loss_agg,
-        loss_norm=loss_norm,
-        kl_beta=kl_beta,
-        ref_logp=ref_logp,
-        rollout_is_weights=rollout_is_weights,
-        log_ratio_clamp=log_ratio_clamp,
-        provider=provider,
+    return _run(
+        (logp, old_logp, advantages, mask, ref_logp, rollout_is_weights),
+        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
+        provider,
     )
+
+
+_entry_arguments = entry_arguments(grpo_loss)
+
+
+def _entry(*args: Any, provider: str, **kwargs: Any) -> GRPOLoss:
+    """The op through ``provider``, called as :func:`grpo_loss` (but ``backend``)."""
+    x = _entry_arguments(*args, **kwargs)
+    return _run(tuple(x[n] for n in TENSOR_NAMES), tuple(x[n] for n in Options._fields), provider)
 
 
 register_op(

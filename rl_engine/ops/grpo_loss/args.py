@@ -25,6 +25,7 @@ __all__ = [
     "AGG_MODES",
     "METRIC_NAMES",
     "RATIO_TYPES",
+    "TENSOR_NAMES",
     "Options",
     "check",
     "normalize",
@@ -56,6 +57,8 @@ METRIC_NAMES = (
 # The op's tensor arguments, in schema order: logp, old_logp, advantages, mask (bool), ref_logp
 # (or None), is_weights (or None; the public ``rollout_is_weights``), [B, T] each.
 Tensors = tuple[Any, ...]
+# Their public names, in that order.
+TENSOR_NAMES = ("logp", "old_logp", "advantages", "mask", "ref_logp", "rollout_is_weights")
 
 
 class Options(NamedTuple):
@@ -97,14 +100,7 @@ def check(tensors: Sequence[Any], options: Sequence[Any]) -> Options:
     for name, t in named.items():
         if t is not None or name in ("old_logp", "advantages"):
             check_tensor(name, t, dims=2)
-    check_same_device(
-        logp=logp,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=mask,
-        ref_logp=ref_logp,
-        rollout_is_weights=is_weights,
-    )
+    check_same_device(**dict(zip(TENSOR_NAMES, tensors)))
     check_float("logp", logp, FLOAT_DTYPES)
     for name, t in named.items():
         if t is None:

@@ -37,10 +37,12 @@ over real tokens (``/ max(N, 1)``) of fixed-order sums; ratio min / max are exac
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _math
-from rl_engine.ops._common import tree_sum
+from rl_engine.ops._common import signature_of, tree_sum
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
 
 __all__ = ["AGG_MODES", "METRIC_NAMES", "grpo_loss", "grpo_loss_backward"]
@@ -204,34 +206,17 @@ def grpo_loss(
     return loss, metrics
 
 
-def grpo_loss_backward(
-    grad: torch.Tensor,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-) -> torch.Tensor:
+@signature_of(grpo_loss, "grad")
+def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
     """``d loss / d logp`` [B, T] in ``logp.dtype`` for the upstream scalar gradient ``grad``.
 
-    Elementwise in the tokens given the scalar denominator D (and ``n_b`` for
-    seq-mean-token-mean): ``grad * c_bt * (dpg_bt + kl_beta * dkl_bt)`` in fp32, one rounding.
+    Takes ``grad`` and then :func:`grpo_loss`'s arguments. Elementwise in the tokens given the
+    scalar denominator D (and ``n_b`` for seq-mean-token-mean): ``grad * c_bt * (dpg_bt +
+    kl_beta * dkl_bt)`` in fp32, one rounding.
     """
-    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
-    o = Options(
-        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
-    )
+    tensors, o = args[:6], Options(*args[6:])
     t = _Terms(tensors, o)
     d = t.dpg
-    if kl_beta != 0.0 and t.dkl is not None:
-        d = d + kl_beta * t.dkl
-    return (grad.float() * (t.coef() * d)).to(logp.dtype)
+    if o.kl_beta != 0.0 and t.dkl is not None:
+        d = d + o.kl_beta * t.dkl
+    return (grad.float() * (t.coef() * d)).to(tensors[0].dtype)

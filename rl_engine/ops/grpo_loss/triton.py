@@ -2,9 +2,9 @@
 
 Numerics (family ``grpo_loss/triton``), three levels, each in a fixed order:
 
-1. **Per token** (fp32, one pass over a ``BLOCK_T`` tile, :func:`_grpo_token_terms`, shared by
-   the forward and the backward so both see the same bits): clamped log-ratio, ratio (``exp`` of
-   :mod:`rl_engine.ops.ratio_kl.triton`), clipped / dual-clipped surrogate, IS weight, k3 KL.
+1. **Per token** (fp32, one pass over a ``BLOCK_T`` tile in :func:`_grpo_token_kernel`, the
+   forward's and the backward's, so both see the same bits): clamped log-ratio, ratio (``exp``
+   of :mod:`rl_engine.ops.ratio_kl.triton`), clipped / dual-clipped surrogate, IS weight, k3 KL.
    Masked tokens read every input as 0 (NaN padding is harmless).
 2. **Per sequence**: each tile reduces every per-token statistic with a fixed pairwise tree over
    its ``BLOCK_T`` lanes (:func:`~rl_engine.ops.ratio_kl.triton._tree_sum`; independent of the
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
+from rl_engine.ops.grpo_loss import reference
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
 from rl_engine.ops.ratio_kl import triton as _rk
 
@@ -61,63 +63,6 @@ if triton is not None:
     _log_ratio_tile = _rk._log_ratio_tile
     _store_partials = _rk._store_partials
     _seq_partials = _rk._seq_partials
-
-    @triton.jit
-    def _grpo_token_terms(
-        lp,
-        raw,
-        tok_lr,
-        adv,
-        m,
-        ref,
-        w,
-        seq_s,
-        seq_n,
-        clamp,
-        r_lo,
-        r_hi,
-        dual_c,
-        SEQ_RATIO: tl.constexpr,
-        HAS_DUAL: tl.constexpr,
-        HAS_REF: tl.constexpr,
-        HAS_W: tl.constexpr,
-    ):
-        # raw, tok_lr: the masked raw and clamped token log-ratios (:func:`_log_ratio_tile`)
-        if SEQ_RATIO:  # GSPO-token: the sequence's value, d lr / d logp_t = 1
-            s = seq_s / tl.maximum(seq_n, 1.0) + tl.zeros_like(raw)  # broadcast over the tile
-            lr = tl.clamp(s, -clamp, clamp)
-            inr = (s >= -clamp) & (s <= clamp)
-        else:
-            lr = tok_lr
-            inr = (raw >= -clamp) & (raw <= clamp)
-        r = _exp(lr)
-        a = tl.where(m, adv, 0.0)
-        pg1 = -a * r
-        pg2 = -a * tl.clamp(r, r_lo, r_hi)
-        clipped = pg2 > pg1
-        pg = tl.where(clipped, pg2, pg1)
-        if HAS_DUAL:
-            pg3 = -a * dual_c
-            dual = (a < 0) & (pg > pg3)
-            pg = tl.where(dual, pg3, pg)
-        else:
-            dual = clipped & (a != a)  # all False
-        dpg = tl.where(clipped | dual, 0.0, pg1)
-        dpg = tl.where(inr, dpg, 0.0)
-        if HAS_W:
-            wz = tl.where(m, w, 0.0)
-            pg = pg * wz
-            dpg = dpg * wz
-        if HAS_REF:
-            d_raw = tl.where(m, ref, 0.0) - tl.where(m, lp, 0.0)
-            d = tl.clamp(d_raw, -clamp, clamp)
-            e = _exp(d)
-            kl = _k3(d, e)
-            dkl = tl.where((d_raw >= -clamp) & (d_raw <= clamp), -_expm1(d, e), 0.0)
-        else:
-            kl = tl.zeros_like(raw)
-            dkl = tl.zeros_like(raw)
-        return r, clipped, dual, pg, dpg, kl, dkl
 
     @triton.jit
     def _grpo_prepass_kernel(
@@ -191,10 +136,10 @@ if triton is not None:
         LOG_BLOCK: tl.constexpr,
     ):
         """The token pass, one (ROWS sequences, tile j) per program, on the same per-token terms
-        (:func:`_grpo_token_terms`) both ways. Forward (``BWD`` off): each row's tile partials
-        of the ``STATS`` statistics into ``out`` [B * NT, STATS]. Backward: ``d logp`` into
-        ``out`` [B, T] from the upstream ``grad`` and the denominator (``denom`` or
-        ``denom_const``); ``KL_TERM``, ``PER_SEQ_MEAN`` and ``DENOM_FROM_PTR`` apply to it only."""
+        both ways. Forward (``BWD`` off): each row's tile partials of the ``STATS`` statistics
+        into ``out`` [B * NT, STATS]. Backward: ``d logp`` into ``out`` [B, T] from the upstream
+        ``grad`` and the denominator (``denom`` or ``denom_const``); ``KL_TERM``,
+        ``PER_SEQ_MEAN`` and ``DENOM_FROM_PTR`` apply to it only."""
         b, j, rows, inb, bb, tt, lp, m, raw = _log_ratio_tile(
             lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, True, ROWS, BLOCK
         )
@@ -213,29 +158,45 @@ if triton is not None:
             seq_s, seq_n = _seq_partials(pre_ptr, b, rows, NT, ROWS)
             seq_s = seq_s[:, None]
             seq_n = seq_n[:, None]
-        r, clipped, dual, pg, dpg, kl, dkl = _grpo_token_terms(
-            lp,
-            raw,
-            tok_lr,
-            adv,
-            m,
-            ref,
-            w,
-            seq_s,
-            seq_n,
-            clamp,
-            r_lo,
-            r_hi,
-            dual_c,
-            SEQ_RATIO,
-            HAS_DUAL,
-            HAS_REF,
-            HAS_W,
-        )
+        # the per-token terms, the same for the forward and the backward
+        if SEQ_RATIO:  # GSPO-token: the sequence's value, d lr / d logp_t = 1
+            s = seq_s / tl.maximum(seq_n, 1.0) + tl.zeros_like(raw)  # broadcast over the tile
+            lr = tl.clamp(s, -clamp, clamp)
+            inr = (s >= -clamp) & (s <= clamp)
+        else:
+            lr = tok_lr
+            inr = (raw >= -clamp) & (raw <= clamp)
+        r = _exp(lr)
+        a = tl.where(m, adv, 0.0)
+        pg1 = -a * r
+        pg2 = -a * tl.clamp(r, r_lo, r_hi)
+        clipped = pg2 > pg1
+        pg = tl.where(clipped, pg2, pg1)
+        if HAS_DUAL:
+            pg3 = -a * dual_c
+            dual = (a < 0) & (pg > pg3)
+            pg = tl.where(dual, pg3, pg)
+        else:
+            dual = clipped & (a != a)  # all False
+        dpg = tl.where(clipped | dual, 0.0, pg1)
+        dpg = tl.where(inr, dpg, 0.0)
+        if HAS_W:
+            wz = tl.where(m, w, 0.0)
+            pg = pg * wz
+            dpg = dpg * wz
+        if HAS_REF:
+            d_raw = tl.where(m, ref, 0.0) - tl.where(m, lp, 0.0)
+            d = tl.clamp(d_raw, -clamp, clamp)
+            e = _exp(d)
+            kl = _k3(d, e)
+            dkl = tl.where((d_raw >= -clamp) & (d_raw <= clamp), -_expm1(d, e), 0.0)
+        else:
+            kl = tl.zeros_like(raw)
+            dkl = tl.zeros_like(raw)
         if BWD:
-            d = dpg
+            dterm = dpg
             if KL_TERM:
-                d = d + kl_beta * dkl
+                dterm = dterm + kl_beta * dkl
             if DENOM_FROM_PTR:
                 denom = tl.load(denom_ptr)
             else:
@@ -245,7 +206,7 @@ if triton is not None:
                 c = c / tl.maximum(seq_n, 1.0)
             c = c / denom
             g = tl.load(grad_ptr)
-            out = g * (c * d)
+            out = g * (c * dterm)
             tl.store(out_ptr + bb * T + tt, out.to(out_ptr.dtype.element_ty), mask=inb)
         else:
             if SEQ_RATIO:
@@ -471,78 +432,46 @@ def _launch_tokens(
         )
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.grpo_loss)
+def grpo_loss(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped policy-gradient loss and metrics (Triton; the reference's semantics).
 
-    Args:
-        logp, old_logp, advantages: [B, T] (fp32 / bf16 / fp16), any strides (a [B] advantage
-            expanded over T has stride 0 and is read as such).
-        mask: [B, T] bool.
-        ref_logp, is_weights: [B, T] or None.
-        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta,
-        log_ratio_clamp: as :func:`rl_engine.ops.grpo_loss.reference.grpo_loss`.
+    Takes the arguments of :func:`rl_engine.ops.grpo_loss.reference.grpo_loss`; ``logp``,
+    ``old_logp`` and ``advantages`` in any strides (a [B] advantage expanded over T has stride 0
+    and is read as such).
 
     Returns:
         ``(loss, metrics)``: fp32 scalar and fp32 [len(METRIC_NAMES)].
     """
-    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
-    o = check(
-        tensors,
-        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
-    )
+    tensors = args[:6]
+    o = check(tensors, args[6:])
+    logp, old_logp, _, mask, _, _ = tensors
     _rk._check_device(logp, "grpo_loss")
     b, t = logp.shape
     dev = logp.device
     nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
-    pre = _prepass(logp, old_logp, m8, nt) if ratio_type == "sequence" else None
+    pre = _prepass(logp, old_logp, m8, nt) if o.ratio_type == "sequence" else None
     part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
     if b > 0 and nt > 0:
         _launch_tokens(tensors, m8, pre, part, o)
     metrics = torch.empty((len(METRIC_NAMES),), dtype=torch.float32, device=dev)
-    _launch_reduce(part, metrics, b, nt, t, loss_agg, loss_norm, False, _STATS)
+    _launch_reduce(part, metrics, b, nt, t, o.loss_agg, o.loss_norm, False, _STATS)
     # the reference's expression, on the metric scalars
+    kl_beta = o.kl_beta
     loss = metrics[0] + kl_beta * metrics[1] if kl_beta != 0.0 else metrics[0].clone()
     return loss, metrics
 
 
-def grpo_loss_backward(
-    grad: torch.Tensor,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    ratio_type: str,
-    loss_agg: str,
-    loss_norm: float,
-    kl_beta: float,
-    log_ratio_clamp: float,
-) -> torch.Tensor:
+@signature_of(reference.grpo_loss_backward)
+def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
     """``d loss / d logp`` [B, T] in ``logp.dtype`` for the upstream scalar gradient ``grad``.
 
     Per token ``grad * (c_bt * (dpg_bt + kl_beta * dkl_bt))`` in fp32, one rounding; ``c_bt`` and
     the sequence ratio (GSPO) come from the same fixed-order partials as the forward.
     """
+    tensors, o = args[:6], Options(*args[6:])
+    logp, old_logp, _, mask, _, _ = tensors
     _rk._check_device(logp, "grpo_loss")
     b, t = logp.shape
     dev = logp.device
@@ -551,20 +480,17 @@ def grpo_loss_backward(
         return d_logp
     nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
-    seq_ratio = ratio_type == "sequence"
-    seq_mean = per_seq_mean(loss_agg)
-    denom_from_ptr = loss_norm == 0.0 and loss_agg != "seq-mean-token-sum-norm"
+    seq_ratio = o.ratio_type == "sequence"
+    seq_mean = per_seq_mean(o.loss_agg)
+    loss_norm = o.loss_norm
+    denom_from_ptr = loss_norm == 0.0 and o.loss_agg != "seq-mean-token-sum-norm"
     need_pre = seq_ratio or seq_mean or denom_from_ptr
     pre = _prepass(logp, old_logp, m8, nt) if need_pre else None
     denom = torch.ones((1,), dtype=torch.float32, device=dev)
     if denom_from_ptr:
-        _launch_reduce(pre, denom, b, nt, t, loss_agg, 0.0, True, 2)
+        _launch_reduce(pre, denom, b, nt, t, o.loss_agg, 0.0, True, 2)
     denom_const = float(loss_norm) if loss_norm != 0.0 else float(t)
     g = grad.to(torch.float32).reshape(1)
-    tensors = (logp, old_logp, advantages, mask, ref_logp, is_weights)
-    o = Options(
-        clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp
-    )
     _launch_tokens(tensors, m8, pre, d_logp, o, (g, denom, denom_const, seq_mean, denom_from_ptr))
     return d_logp
 

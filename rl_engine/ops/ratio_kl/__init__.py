@@ -10,11 +10,17 @@ and returns a :class:`RatioKL` named tuple.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import (
+    check_tensor,
+    entry_arguments,
+    provider_op,
+    register_op,
+    register_triton,
+)
 from rl_engine.ops.ratio_kl import reference
 from rl_engine.ops.ratio_kl.args import check, normalize
 from rl_engine.registry import resolve_provider
@@ -143,20 +149,8 @@ def _backward(ctx, *grads):
 _ratio_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _entry(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    *,
-    log_ratio_clamp: float = 20.0,
-    token_is_cap: float | None = None,
-    seq_is_cap: float | None = None,
-    token_mis: tuple[float, float] | None = None,
-    seq_mis: tuple[float, float] | None = None,
-    seq_mode: str = "sum",
-    provider: str,
-) -> RatioKL:
-    public = (log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
+def _run(logp: Any, old_logp: Any, mask: Any, public: tuple, provider: str) -> RatioKL:
+    """The op on the public arguments (:func:`rl_engine.ops.ratio_kl.args.normalize`'s)."""
     mask, opts = normalize(logp, old_logp, mask, public)
     return RatioKL(*_ratio_kl_op(logp, old_logp, mask, *opts, provider))
 
@@ -200,18 +194,17 @@ def ratio_kl(
     """
     check_tensor("logp", logp)
     provider = resolve_provider("ratio_kl", logp.device.type, backend)
-    return _entry(
-        logp,
-        old_logp,
-        mask,
-        log_ratio_clamp=log_ratio_clamp,
-        token_is_cap=token_is_cap,
-        seq_is_cap=seq_is_cap,
-        token_mis=token_mis,
-        seq_mis=seq_mis,
-        seq_mode=seq_mode,
-        provider=provider,
-    )
+    public = (log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
+    return _run(logp, old_logp, mask, public, provider)
+
+
+_entry_arguments = entry_arguments(ratio_kl)
+
+
+def _entry(*args: Any, provider: str, **kwargs: Any) -> RatioKL:
+    """The op through ``provider``, called as :func:`ratio_kl` (but ``backend``)."""
+    logp, old_logp, mask, *public = _entry_arguments(*args, **kwargs).values()
+    return _run(logp, old_logp, mask, tuple(public), provider)
 
 
 register_op(

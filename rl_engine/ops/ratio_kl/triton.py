@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
-from rl_engine.ops.ratio_kl.args import check
+from rl_engine.ops.ratio_kl import reference
+from rl_engine.ops.ratio_kl.args import Options, check
 
 __all__ = ["BLOCK_T", "PROVIDER", "ratio_kl", "ratio_kl_backward"]
 
@@ -438,34 +440,18 @@ def _launch_seq(
         )
 
 
-def ratio_kl(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None,
-    log_ratio_clamp: float,
-    token_cap: float,
-    seq_cap: float,
-    token_mis_lo: float,
-    token_mis_hi: float,
-    seq_mis_lo: float,
-    seq_mis_hi: float,
-    geometric: bool,
-) -> tuple[torch.Tensor, ...]:
+@signature_of(reference.ratio_kl)
+def ratio_kl(*args: Any) -> tuple[torch.Tensor, ...]:
     """Importance ratios, KL estimators and IS weights (Triton; the reference's semantics).
 
-    Args:
-        logp: [B, T] log-probs of p (fp32 / bf16 / fp16), any strides.
-        old_logp: [B, T] log-probs of q.
-        mask: [B, T] bool (True = real token) or None.
-        log_ratio_clamp, token_cap, seq_cap, token_mis_lo, token_mis_hi, seq_mis_lo,
-        seq_mis_hi, geometric: as :func:`rl_engine.ops.ratio_kl.reference.ratio_kl`.
-
-    Returns:
-        ``(log_ratio, ratio, k1, k2, k3, token_weight, token_keep, seq_log_ratio, seq_ratio,
-        seq_weight, seq_keep)``: [B, T] fp32 x 6, [B, T] bool, [B] fp32 x 3, [B] bool.
+    Takes the arguments of :func:`rl_engine.ops.ratio_kl.reference.ratio_kl` (``logp`` and
+    ``old_logp`` in any strides) and returns its outputs: ``(log_ratio, ratio, k1, k2, k3,
+    token_weight, token_keep, seq_log_ratio, seq_ratio, seq_weight, seq_keep)``: [B, T] fp32 x 6,
+    [B, T] bool, [B] fp32 x 3, [B] bool.
     """
-    lim = (log_ratio_clamp, token_cap, seq_cap, token_mis_lo, token_mis_hi, seq_mis_lo, seq_mis_hi)
-    check(logp, old_logp, mask, lim)
+    logp, old_logp, mask = args[:3]
+    o = Options(*args[3:])
+    check(logp, old_logp, mask, o[:7])
     _check_device(logp)
     b, t = logp.shape
     dev = logp.device
@@ -474,18 +460,18 @@ def ratio_kl(
     seq = [torch.empty((b,), dtype=torch.float32, device=dev) for _ in range(3)]
     seq_keep = torch.zeros((b,), dtype=torch.uint8, device=dev)
     if b > 0:
-        clamp = float(log_ratio_clamp)
+        clamp = float(o.log_ratio_clamp)
         part = _partials(
             logp,
             old_logp,
             mask,
             clamp,
             (*tok, tok_keep),
-            (float(token_cap), float(token_mis_lo), float(token_mis_hi)),
+            (float(o.token_cap), float(o.token_mis_lo), float(o.token_mis_hi)),
         )
-        seq_opts = (float(seq_cap), float(seq_mis_lo), float(seq_mis_hi))
+        seq_opts = (float(o.seq_cap), float(o.seq_mis_lo), float(o.seq_mis_hi))
         nt = _tr.cdiv(t, BLOCK_T)
-        _launch_seq(part, b, nt, clamp, geometric, (*seq, seq_keep), None, seq_opts)
+        _launch_seq(part, b, nt, clamp, o.geometric, (*seq, seq_keep), None, seq_opts)
     return (
         *tok,
         tok_keep.view(torch.bool),
@@ -494,30 +480,15 @@ def ratio_kl(
     )
 
 
-def ratio_kl_backward(
-    g_log_ratio: torch.Tensor,
-    g_ratio: torch.Tensor,
-    g_k1: torch.Tensor,
-    g_k2: torch.Tensor,
-    g_k3: torch.Tensor,
-    g_seq_log_ratio: torch.Tensor,
-    g_seq_ratio: torch.Tensor,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor | None,
-    log_ratio_clamp: float,
-    geometric: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.ratio_kl_backward)
+def ratio_kl_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``(d logp, d old_logp)`` in the inputs' dtypes (the reference's formulas).
 
-    Args:
-        g_log_ratio, g_ratio, g_k1, g_k2, g_k3: [B, T] upstream gradients (any strides).
-        g_seq_log_ratio, g_seq_ratio: [B] upstream gradients.
-        logp, old_logp, mask, log_ratio_clamp, geometric: the forward's inputs.
-
-    Returns:
-        ``(d logp, d old_logp)``, [B, T] each; ``d old_logp = -d logp`` before rounding.
+    Takes the arguments of :func:`rl_engine.ops.ratio_kl.reference.ratio_kl_backward`: the
+    upstream gradients (any strides) and the forward's inputs. ``d old_logp = -d logp`` before
+    rounding.
     """
+    *upstream, logp, old_logp, mask, log_ratio_clamp, geometric = args
     _check_device(logp)
     b, t = logp.shape
     dev = logp.device
@@ -528,10 +499,10 @@ def ratio_kl_backward(
     clamp = float(log_ratio_clamp)
     part = _partials(logp, old_logp, mask, clamp, None, (0.0, 0.0, 0.0))
     gseq = torch.empty((b,), dtype=torch.float32, device=dev)
-    gsl, gsr = g_seq_log_ratio.float(), g_seq_ratio.float()
+    gsl, gsr = (g.float() for g in upstream[5:])
     nt = _tr.cdiv(t, BLOCK_T)
     _launch_seq(part, b, nt, clamp, geometric, None, (gsl, gsr, gseq), (0.0, 0.0, 0.0))
-    grads = [x.float() for x in (g_log_ratio, g_ratio, g_k1, g_k2, g_k3)]
+    grads = [x.float() for x in upstream[:5]]
     inputs, strides = _inputs(logp, old_logp, mask)
     with _guard(logp):
         rows = rows_per_program(dev)
