@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from rl_engine import BackendUnavailableError, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
@@ -18,6 +16,7 @@ from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
 from tests.conftest import backend_fixture
+from tests.ops._vocab import LargestTensor
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (TOKEN_CHUNK, VOCAB_CHUNK) work tiles: the shipped ones and smaller ones that split the
@@ -222,22 +221,6 @@ def test_dweight_deterministic_and_zero_padding_invariant(backend, dtype, monkey
 
 
 # ------------------------------------------------------------------ memory bound
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten / custom op produces while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-        self.shape = ()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.shape = t.numel(), tuple(t.shape)
-        return out
-
-
 def _run(impl, hidden, weight, tokens):
     lp, ent, lse = impl.linear_logp_forward(hidden, weight, tokens, 0.9, True)
     g = torch.ones_like(lp)
@@ -250,13 +233,13 @@ def test_never_materialises_logits(monkeypatch):
     monkeypatch.setattr(ll_ref, "VOCAB_CHUNK", vc)
     t, h, v = 256, 16, 2100
     hidden, weight, tokens = _inputs(t, h, v, torch.float32)
-    with _LargestTensor() as native:
+    with LargestTensor() as native:
         _run(ll_ref, hidden, weight, tokens)
     # everything the op creates is a logits block, or [T, H] / [V, H] sized (dhidden, dweight)
     assert native.numel <= max(tc * vc, t * h, v * h), f"largest tensor {native.shape}"
     assert native.numel < t * v // 10
     # the check can fail: the stock provider holds [T, V] logits
-    with _LargestTensor() as stock:
+    with LargestTensor() as stock:
         _run(ll_stock, hidden, weight, tokens)
     assert stock.numel >= t * v, f"stock largest tensor {stock.shape}"
 

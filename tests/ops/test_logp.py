@@ -13,6 +13,7 @@ from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
 from tests.conftest import backend_fixture
+from tests.ops._vocab import forward_grid
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -30,11 +31,7 @@ def _row_tokens(rows, vocab):
     return (rows[:, 0].detach().float().abs() * 1000).long() % vocab
 
 
-@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
-@pytest.mark.parametrize(
-    "shape", [(1, 7), (33, 1000), (17, VOCAB_TILE), (9, 2 * VOCAB_TILE + 1), (3, 50257), (0, 10)]
-)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@forward_grid
 def test_numerics_vs_float64(backend, dtype, shape, temperature):
     t, v = shape
     logits = (4 * torch.randn(t, v)).to(dtype)

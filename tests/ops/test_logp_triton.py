@@ -13,8 +13,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
@@ -24,6 +22,7 @@ from rl_engine.ops.logp import triton as lp_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
 from tests.conftest import DEVICE, ON_GPU, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
+from tests.ops._vocab import LargestTensor
 
 RUNNABLE = triton_runnable(lp_triton)
 needs_triton = skip_unless_triton(lp_triton)
@@ -354,27 +353,11 @@ def test_dweight_deterministic_and_zero_padding_invariant(dtype, small_chunks, m
     assert_bitwise(dw(hidden, tokens, g), base, "dweight vs vocabulary slice")
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten / custom op produces while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-        self.shape = ()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.nbytes > self.nbytes:
-                self.nbytes, self.shape = t.nbytes, tuple(t.shape)
-        return out
-
-
 @needs_triton
 def test_never_materialises_logits(small_chunks):
     t, h, v = 20, 8, 1100
     hidden, weight, tokens = _lm_inputs(t, h, v, torch.float32)
-    with _LargestTensor() as seen:
+    with LargestTensor("nbytes") as seen:
         lp, ent, lse = ll_triton.linear_logp_forward(hidden, weight, tokens, 0.9, True)
         g = torch.ones_like(lp)
         ll_triton.linear_logp_backward(hidden, weight, tokens, 0.9, lse, ent, g, g, True, True)
