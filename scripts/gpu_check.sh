@@ -16,7 +16,7 @@
 # megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
 #
 # No install needed: the checkout goes on PYTHONPATH. What comes back from $OUT: pytest.log,
-# tests.json (exit status and counts), bench.log, results.tgz (benchmarks/results/<gpu>/) and
+# tests.json (exit status and counts), failures.txt (each failure as it happens), bench.log, results.tgz (benchmarks/results/<gpu>/) and
 # summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +58,7 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   # pytest in a process group of its own (scripts/_run_group.sh): a timed-out run can leave
   # pytest-xdist workers behind, which must not share the GPU and the CPU with the benchmarks
   RL_ENGINE_CHECK_LAUNCH=1 run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
-    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -rfEs $XDIST ${PYTEST_ARGS:-}
+    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs $XDIST ${PYTEST_ARGS:-}
   status=$?
   echo "pytest exit status: $status"
   # machine-readable result next to the log (counts from pytest's last line)

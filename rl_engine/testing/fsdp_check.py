@@ -31,13 +31,13 @@ def _score(model: Any) -> torch.Tensor:
     return logp.detach().cpu()
 
 
-def _load(model: str, dtype: str) -> Any:
+def _load(model: str, dtype: str, cuda: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    if torch.cuda.is_available():  # the rank's GPU (set by init) or, in one process, GPU 0
+    if cuda:  # the rank's GPU (set by init) or, in one process, GPU 0
         hf = hf.cuda()
     patch_model(hf)
     return hf
@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
     from rl_engine.testing._spawn import init
 
     dist = init(rank, world, store)
-    hf = _load(model, dtype)
+    hf = _load(model, dtype, torch.cuda.is_available())  # hidden when the ranks run on the CPU
     if hf.config.tie_word_embeddings:
         raise ValueError("fsdp_check: an untied checkpoint (the LM head is read outside the "
                          "decoder's forward, so it stays replicated)")  # fmt: skip
@@ -88,9 +88,14 @@ def run(
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(ranks)]
 
 
-def single(model: str, dtype: str = "float32") -> dict[str, Any]:
-    """The same batch in this process, no FSDP."""
-    hf = _load(model, dtype)
+def single(
+    model: str, dtype: str = "float32", device: str = "cpu", ranks: int = 1
+) -> dict[str, Any]:
+    """The same batch in this process, no FSDP, on the device the ranks of ``run(..., ranks,
+    device=device)`` use (a GPU machine runs CPU ranks when asked to: so must this)."""
+    from rl_engine.testing._spawn import use_cuda
+
+    hf = _load(model, dtype, use_cuda(ranks, device))
     logp = _score(hf)
     return {"logp": logp, "grads": _full_grads(hf)}
 
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = tempfile.mkdtemp(prefix="fsdp_check_")
     bad = compare(
-        single(args.model, args.dtype),
+        single(args.model, args.dtype, args.device, args.ranks),
         run(args.model, args.ranks, out + "/r", args.dtype, args.device),
     )
     print(f"FSDP2 x{args.ranks} vs one process: {'bitwise equal' if not bad else 'MISMATCH'}")

@@ -113,16 +113,19 @@ def run(
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(tp)]
 
 
-def hf_logprobs(model: str, dtype: str = "bfloat16", groups: str = "8") -> torch.Tensor:
-    """The patched Hugging Face trainer's packed log-probs of the same batch (this process)."""
+def hf_logprobs(
+    model: str, dtype: str = "bfloat16", groups: str = "8", device: str = "cpu", tp: int = 1
+) -> torch.Tensor:
+    """The patched Hugging Face trainer's packed log-probs of the same batch (this process), on
+    the device the ranks of ``run(model, tp, ..., device=device)`` use."""
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
-    from rl_engine.testing._spawn import tp_groups_env
+    from rl_engine.testing._spawn import tp_groups_env, use_cuda
 
     with tp_groups_env(groups):
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # where the ranks ran
+        device = "cuda" if use_cuda(tp, device) else "cpu"  # where the ranks ran
         hf = hf.to(device)
         patch_model(hf)
         ids, cu = batch(hf.config.vocab_size)
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in degrees
     }
     base = runs[degrees[0]]
-    hf = hf_logprobs(args.model, args.dtype)
+    hf = hf_logprobs(args.model, args.dtype, device=args.device, tp=degrees[0])
     same = torch.equal(hf, base[0]["logp"])
     print(f"HF trainer vs Megatron TP {degrees[0]}: {'bitwise equal' if same else 'MISMATCH'}")
     status = int(not same)
