@@ -19,11 +19,11 @@ import tempfile
 import time
 from typing import Any
 
+from rl_engine import _cli_common
 from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
 from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
 from rl_engine.rl.engines import WorkerError, run_worker, worker_env
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # report.json layout version: bumped when a field changes meaning or goes away
 # (3: one rollout engine per configuration; runs[].seconds became runs[].rollout_seconds, the
 # workers' wall times are in the configuration's "seconds")
@@ -50,11 +50,13 @@ class AuditWorkerError(RuntimeError):
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "audit", help="measure rollout-vs-trainer log-prob drift (stock vs rl_engine)"
+    _cli_common.add_subcommand(
+        sub,
+        "audit",
+        "measure rollout-vs-trainer log-prob drift (stock vs rl_engine)",
+        _add_arguments,
+        run,
     )
-    _add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -243,11 +245,7 @@ def _validate(
             f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}"
         )
     if args.model is None:
-        from rl_engine.testing.tiny_models import make_tiny_model
-
-        model = make_tiny_model(
-            os.path.join(workdir, "tiny-llama"), "llama", args.dtype, seed=args.seed
-        )
+        model = _cli_common.embedded_model(workdir, args.dtype, args.seed)
     else:
         model = args.model
         if not os.path.isdir(model):
@@ -255,12 +253,9 @@ def _validate(
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise AuditInputError(f"{model} has no config.json: not a Hugging Face model folder")
     config = _read_model_config(model)
-    archs = config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHS for a in archs):
-        raise AuditInputError(
-            f"unsupported architecture {archs or '(none given)'} in {model}; supported: "
-            f"{', '.join(SUPPORTED_ARCHS)}"
-        )
+    _cli_common.check_architectures(
+        config.get("architectures") or [], AuditInputError, f" in {model}"
+    )
     vocab = _int_field(config, "vocab_size", model, minimum=2)
     if args.prompts:
         prompts = load_prompts(args.prompts, model, vocab, args.num_prompts)
@@ -705,9 +700,7 @@ def run(args: argparse.Namespace) -> int:
             figures.append(("localize.png", lambda path: plots.localize_figure(report, path)))
         for fname, draw in figures:
             try:
-                stage = os.path.join(workdir, fname)
-                draw(stage)
-                shutil.move(stage, os.path.join(out_dir, fname))
+                _cli_common.write_figure(draw, workdir, out_dir, fname)
                 written.append(fname)
             except Exception as exc:  # the numbers are already on disk
                 print(f"rl-engine audit: warning: no {fname} ({type(exc).__name__}: {exc})")
@@ -728,6 +721,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rl-engine audit", description=__doc__)
-    _add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return _cli_common.main("rl-engine audit", __doc__, _add_arguments, run, argv)

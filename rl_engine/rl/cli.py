@@ -13,17 +13,15 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rl_engine import _cli_common
 from rl_engine.audit.metrics import fmt_delta
 from rl_engine.rl.engines import ENGINES, TRAINERS, WorkerError, run_worker, worker_env
-
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class GRPOInputError(ValueError):
@@ -31,11 +29,13 @@ class GRPOInputError(ValueError):
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "grpo", help="run a GRPO loop with in-place weight sync (stock vs rl_engine)"
+    _cli_common.add_subcommand(
+        sub,
+        "grpo",
+        "run a GRPO loop with in-place weight sync (stock vs rl_engine)",
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,22 +114,14 @@ def _validate(args: argparse.Namespace, workdir: str) -> tuple[str, list[str]]:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise GRPOInputError(f"--device {args.device}: CUDA is not available")
     if args.model is None:
-        from rl_engine.testing.tiny_models import make_tiny_model
-
-        model = make_tiny_model(
-            os.path.join(workdir, "tiny-llama"), "llama", args.dtype, seed=args.seed
-        )
+        model = _cli_common.embedded_model(workdir, args.dtype, args.seed)
     else:
         model = os.path.abspath(args.model)
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise GRPOInputError(f"{args.model}: not a Hugging Face model folder (no config.json)")
     with open(os.path.join(model, "config.json")) as f:
         archs = json.load(f).get("architectures") or []
-    if not any(a in SUPPORTED_ARCHS for a in archs):
-        raise GRPOInputError(
-            f"unsupported architecture {archs or '(none given)'}; supported: "
-            f"{', '.join(SUPPORTED_ARCHS)}"
-        )
+    _cli_common.check_architectures(archs, GRPOInputError)
     if args.reward != "band":
         from rl_engine.rl.rewards import resolve
 
@@ -273,9 +265,9 @@ def run(args: argparse.Namespace) -> int:
         from rl_engine.rl.plots import grpo_figure
 
         os.makedirs(out_dir, exist_ok=True)
-        stage = os.path.join(workdir, "grpo.png")
-        grpo_figure(report, stage)
-        shutil.move(stage, os.path.join(out_dir, "grpo.png"))
+        _cli_common.write_figure(
+            lambda path: grpo_figure(report, path), workdir, out_dir, "grpo.png"
+        )
         with open(os.path.join(out_dir, "grpo.json"), "w") as f:
             json.dump(report, f, indent=1)
     print()
@@ -298,9 +290,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rl-engine grpo", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return _cli_common.main("rl-engine grpo", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Plumbing shared by the ``rl-engine`` subcommands that run vLLM against a trainer: ``audit``
+(:mod:`rl_engine.audit.cli`) and ``grpo`` (:mod:`rl_engine.rl.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+# the Hugging Face architectures both sides (vLLM plugin, trainer adapters) support
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+
+
+def add_subcommand(sub: Any, name: str, summary: str, add_arguments: AddArguments, run: Run):
+    """Subcommand ``name`` of the ``rl-engine`` parser's subparsers ``sub``: its arguments from
+    ``add_arguments``, carried out by ``run(args)``."""
+    p = sub.add_parser(name, help=summary)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(
+    prog: str,
+    description: str | None,
+    add_arguments: AddArguments,
+    run: Run,
+    argv: list[str] | None,
+) -> int:
+    """A subcommand as a program of its own: parse ``argv`` and return ``run``'s exit status."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def embedded_model(workdir: str, dtype: str, seed: int) -> str:
+    """The model when none is given: a tiny random Llama written to ``workdir/tiny-llama``, its
+    weights a function of ``seed``; returns its folder."""
+    from rl_engine.testing.tiny_models import make_tiny_model
+
+    return make_tiny_model(os.path.join(workdir, "tiny-llama"), "llama", dtype, seed=seed)
+
+
+def check_architectures(archs: list[str], error: type[Exception], where: str = "") -> None:
+    """Raise ``error`` unless one of a model's ``architectures`` is in :data:`SUPPORTED_ARCHS`
+    (``where``: the text after the architectures in the message, e.g. ``" in <folder>"``)."""
+    if not any(a in SUPPORTED_ARCHS for a in archs):
+        raise error(
+            f"unsupported architecture {archs or '(none given)'}{where}; supported: "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+
+
+def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: str) -> None:
+    """``draw(path)`` figure ``name`` inside ``workdir``, then move it into ``out_dir``: a failed
+    drawing leaves no half-written file there."""
+    stage = os.path.join(workdir, name)
+    draw(stage)
+    shutil.move(stage, os.path.join(out_dir, name))
