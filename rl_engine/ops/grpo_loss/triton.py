@@ -61,33 +61,7 @@ if triton is not None:
     _tree_sum_rows = _rk._tree_sum_rows
     _load_tile = _rk._load_tile
     _log_ratio_tile = _rk._log_ratio_tile
-    _store_partials = _rk._store_partials
     _seq_partials = _rk._seq_partials
-
-    @triton.jit
-    def _grpo_prepass_kernel(
-        lp_ptr,
-        old_ptr,
-        m_ptr,
-        pre_ptr,
-        B,
-        T,
-        NT,
-        s_lb,
-        s_lt,
-        s_ob,
-        s_ot,
-        s_mb,
-        s_mt,
-        ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,
-        LOG_BLOCK: tl.constexpr,
-    ):
-        """Per (sequence, tile): sum of the masked raw log-ratios and the real-token count."""
-        b, j, rows, _, _, _, _, m, raw = _log_ratio_tile(
-            lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, True, ROWS, BLOCK
-        )
-        _store_partials(pre_ptr, raw, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
 
     @triton.jit
     def _grpo_token_kernel(
@@ -326,30 +300,10 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if x is None else (x.stride(0), x.stride(1))
 
 
-def _prepass(logp, old_logp, m8, nt) -> torch.Tensor:
-    b, t = logp.shape
-    pre = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
-    if b == 0 or nt == 0:
-        return pre
-    with _rk._guard(logp):
-        rows = _rk.rows_per_program(logp.device)
-        _kernel("_grpo_prepass_kernel", logp.device)[(_tr.cdiv(b, rows), nt)](
-            logp,
-            old_logp,
-            m8,
-            pre,
-            b,
-            t,
-            nt,
-            *_strides(logp),
-            *_strides(old_logp),
-            *_strides(m8),
-            ROWS=rows,
-            BLOCK=BLOCK_T,
-            LOG_BLOCK=_LOG_BLOCK_T,
-            num_warps=_NUM_WARPS,
-        )
-    return pre
+def _prepass(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per (sequence, tile): sum of the masked raw log-ratios and the real-token count (the tile
+    pass of :mod:`rl_engine.ops.ratio_kl.triton`, no token outputs)."""
+    return _rk._partials(logp, old_logp, mask, 1.0, None, (0.0, 0.0, 0.0), raw_sums=True)
 
 
 def _launch_reduce(part, out, b, nt, t, loss_agg, loss_norm, counts_only, stats) -> None:
@@ -451,7 +405,7 @@ def grpo_loss(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     dev = logp.device
     nt = _tr.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
-    pre = _prepass(logp, old_logp, m8, nt) if o.ratio_type == "sequence" else None
+    pre = _prepass(logp, old_logp, mask) if o.ratio_type == "sequence" else None
     part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
     if b > 0 and nt > 0:
         _launch_tokens(tensors, m8, pre, part, o)
@@ -485,7 +439,7 @@ def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
     loss_norm = o.loss_norm
     denom_from_ptr = loss_norm == 0.0 and o.loss_agg != "seq-mean-token-sum-norm"
     need_pre = seq_ratio or seq_mean or denom_from_ptr
-    pre = _prepass(logp, old_logp, m8, nt) if need_pre else None
+    pre = _prepass(logp, old_logp, mask) if need_pre else None
     denom = torch.ones((1,), dtype=torch.float32, device=dev)
     if denom_from_ptr:
         _launch_reduce(pre, denom, b, nt, t, o.loss_agg, 0.0, True, 2)

@@ -199,13 +199,15 @@ if triton is not None:
         mis_hi,
         HAS_MASK: tl.constexpr,
         STORE: tl.constexpr,
+        RAW_SUMS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         LOG_BLOCK: tl.constexpr,
     ):
         """One program per (ROWS sequences, tile j): token outputs (STORE) and each row's tile
-        partial sums (log-ratio, real-token count) for the per-sequence pass. Rows are
-        independent lanes: ROWS is a launch parameter, not part of the numerics."""
+        partial sums (log-ratio, real-token count) for the per-sequence pass; ``RAW_SUMS``: of
+        the raw log-ratio, before the clamp (grpo_loss's pre-pass). Rows are independent lanes:
+        ROWS is a launch parameter, not part of the numerics."""
         b, j, rows, inb, bb, tt, _, m, raw = _log_ratio_tile(
             lp_ptr, old_ptr, m_ptr, B, T, s_lb, s_lt, s_ob, s_ot, s_mb, s_mt, HAS_MASK, ROWS, BLOCK
         )
@@ -222,7 +224,10 @@ if triton is not None:
             tl.store(k3_ptr + o, _k3(lr, r), mask=inb)
             tl.store(w_ptr + o, w, mask=inb)
             tl.store(keep_ptr + o, keep.to(tl.int8), mask=inb)
-        _store_partials(part_ptr, lr, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
+        if RAW_SUMS:
+            _store_partials(part_ptr, raw, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
+        else:
+            _store_partials(part_ptr, lr, m, b, j, NT, rows, ROWS, BLOCK, LOG_BLOCK)
 
     @triton.jit
     def _ratio_kl_seq_kernel(
@@ -369,8 +374,10 @@ def _partials(
     clamp: float,
     outs: tuple[torch.Tensor, ...] | None,
     opts: tuple[float, float, float],
+    raw_sums: bool = False,
 ) -> torch.Tensor:
-    """Launch the tile kernel (token outputs when ``outs`` is given); returns the partials."""
+    """Launch the tile kernel (token outputs when ``outs`` is given); returns the partials (of
+    the raw log-ratio where ``raw_sums``)."""
     b, t = logp.shape
     nt = _tr.cdiv(t, BLOCK_T)
     part = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
@@ -393,6 +400,7 @@ def _partials(
             *opts,
             HAS_MASK=mask is not None,
             STORE=outs is not None,
+            RAW_SUMS=raw_sums,
             ROWS=rows,
             BLOCK=BLOCK_T,
             LOG_BLOCK=_LOG_BLOCK_T,
