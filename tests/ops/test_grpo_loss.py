@@ -10,29 +10,16 @@ import torch
 
 from rl_engine.ops import grpo_loss
 from rl_engine.ops.grpo_loss import AGG_MODES
-from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.invariance import assert_bitwise
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
 from tests.conftest import backend_fixture
+from tests.ops import grpo_loss_checks as checks
+from tests.ops.grpo_loss_checks import FULL, data, run
 
 DTYPES = [torch.float32, torch.bfloat16]
-# every option on: DAPO clip-higher, dual clip, k3 KL penalty, rollout IS weights
-_FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.05)
 
 
 backend = backend_fixture("grpo_loss")
-
-
-def _data(b, t, dtype=torch.float32, *, seed=0, scale=0.5):
-    g = torch.Generator().manual_seed(seed)
-    lp = (torch.randn(b, t, generator=g) * 0.5 - 1.5).to(dtype)
-    off = torch.randn(b, 1, generator=g) * 0.3  # per-sequence shift: GSPO ratios vary too
-    old = (lp.float() + off + torch.randn(b, t, generator=g) * scale).to(dtype)
-    ref = (lp.float() + torch.randn(b, t, generator=g) * 0.2).to(dtype)
-    adv = torch.randn(b, generator=g)
-    w = torch.rand(b, t, generator=g) * 1.5
-    mask = torch.rand(b, t, generator=g) > 0.2
-    mask[1, :] = False  # an empty sequence in the middle
-    return lp, old, ref, adv, w, mask
 
 
 def _ref64(
@@ -126,13 +113,6 @@ def _ref64(
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, grad
 
 
-def _run(lp, old, adv, mask, backend, **kw):
-    x = lp.clone().requires_grad_(True)
-    out = grpo_loss(x, old, adv, mask, backend=backend, **kw)
-    (grad,) = torch.autograd.grad(out.loss, x)
-    return out, grad
-
-
 def _compare(out, grad, ref, dtype, what):
     loss, metrics, rgrad = ref
     rtol, atol = FP32_OUT  # inputs exact in fp32; fp32 math and fixed-order fp32 sums
@@ -152,9 +132,9 @@ def _compare(out, grad, ref, dtype, what):
 @pytest.mark.parametrize("ratio_type", ["token", "sequence"])
 @pytest.mark.parametrize("loss_agg", AGG_MODES)
 def test_vs_float64_all_options(backend, dtype, ratio_type, loss_agg):
-    lp, old, ref, adv, w, mask = _data(17, 31, dtype)
-    kw = dict(_FULL, ratio_type=ratio_type, loss_agg=loss_agg, ref_logp=ref, rollout_is_weights=w)
-    out, grad = _run(lp, old, adv, mask, backend, **kw)
+    lp, old, ref, adv, w, mask = data(17, 31, dtype)
+    kw = dict(FULL, ratio_type=ratio_type, loss_agg=loss_agg, ref_logp=ref, rollout_is_weights=w)
+    out, grad = run(lp, old, adv, mask, backend, **kw)
     _compare(out, grad, _ref64(lp, old, adv, mask, **kw), dtype, f"{ratio_type} {loss_agg}")
     if ratio_type == "token":  # the data exercise every branch
         assert out.metrics.clip_frac_low > 0 and out.metrics.clip_frac_high > 0
@@ -174,9 +154,9 @@ def test_vs_float64_all_options(backend, dtype, ratio_type, loss_agg):
     ],
 )
 def test_vs_float64_variants(backend, loss_agg, kw):
-    lp, old, ref, adv, w, mask = _data(33, 29, seed=3)
+    lp, old, ref, adv, w, mask = data(33, 29, seed=3)
     adv_tok = adv[:, None] + 0.1 * torch.randn(33, 29)  # per-token advantages
-    out, grad = _run(lp, old, adv_tok, mask, backend, loss_agg=loss_agg, **kw)
+    out, grad = run(lp, old, adv_tok, mask, backend, loss_agg=loss_agg, **kw)
     ref_out = _ref64(lp, old, adv_tok, mask, loss_agg=loss_agg, **kw)
     _compare(out, grad, ref_out, torch.float32, f"{kw} {loss_agg}")
 
@@ -184,9 +164,9 @@ def test_vs_float64_variants(backend, loss_agg, kw):
 def test_gspo_gradient_equals_sequence_objective(backend):
     """GSPO-token with seq-mean-token-mean has the gradient of GSPO's sequence objective
     mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t log-ratio)."""
-    lp, old, _, adv, _, mask = _data(19, 23, seed=7)
+    lp, old, _, adv, _, mask = data(19, 23, seed=7)
     kw = dict(ratio_type="sequence", loss_agg="seq-mean-token-mean", clip_low=0.05, clip_high=0.08)
-    out, grad = _run(lp, old, adv, mask, backend, **kw)
+    out, grad = run(lp, old, adv, mask, backend, **kw)
     x = lp.double().requires_grad_(True)
     m = mask.double()
     n = m.sum(-1)
@@ -202,8 +182,8 @@ def test_gspo_gradient_equals_sequence_objective(backend):
 
 def test_on_policy_semantics(backend):
     """old == logp: ratio 1, nothing clipped, loss = -AGG(A), d logp = -A * c."""
-    lp, _, _, adv, _, mask = _data(8, 13)
-    out, grad = _run(lp, lp, adv, mask, backend, loss_agg="seq-mean-token-sum", loss_norm=8.0)
+    lp, _, _, adv, _, mask = data(8, 13)
+    out, grad = run(lp, lp, adv, mask, backend, loss_agg="seq-mean-token-sum", loss_norm=8.0)
     a = torch.where(mask, adv[:, None].expand(8, 13), torch.zeros(()))
     assert_bitwise(grad, -a / 8.0, "on-policy gradient")
     assert out.metrics.clip_frac == 0 and out.metrics.ratio_min == 1 and out.metrics.ratio_max == 1
@@ -211,32 +191,23 @@ def test_on_policy_semantics(backend):
 
 
 def test_kl_beta_zero_and_metric_consistency(backend):
-    lp, old, ref, adv, _, mask = _data(17, 31)
-    out, _ = _run(lp, old, adv, mask, backend, kl_beta=0.0, ref_logp=ref, clip_high=0.28)
+    lp, old, ref, adv, _, mask = data(17, 31)
+    out, _ = run(lp, old, adv, mask, backend, kl_beta=0.0, ref_logp=ref, clip_high=0.28)
     assert_bitwise(out.loss, out.metrics.pg_loss, "kl_beta=0: loss == pg_loss")
     assert out.metrics.kl_loss > 0  # still reported
     m = out.metrics
     assert abs(m.clip_frac - m.clip_frac_low - m.clip_frac_high) < 1e-6
     assert m.num_tokens == mask.sum() and m.num_seqs == (mask.any(1)).sum()
-    with_kl, _ = _run(lp, old, adv, mask, backend, kl_beta=0.1, ref_logp=ref, clip_high=0.28)
+    with_kl, _ = run(lp, old, adv, mask, backend, kl_beta=0.1, ref_logp=ref, clip_high=0.28)
     assert_bitwise(with_kl.loss, m.pg_loss + 0.1 * m.kl_loss, "loss = pg + beta * kl")
 
 
 @pytest.mark.parametrize("loss_agg", AGG_MODES)
 @pytest.mark.parametrize("ratio_type", ["token", "sequence"])
 def test_run_to_run_bitwise(backend, loss_agg, ratio_type):
-    lp, old, ref, adv, w, mask = _data(31, 47, torch.bfloat16)
-    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type, ref_logp=ref, rollout_is_weights=w)
-    o1, g1 = _run(lp, old, adv, mask, backend, **kw)
-    o2, g2 = _run(lp, old, adv, mask, backend, **kw)
-    assert_bitwise(o1.loss, o2.loss, "loss")
-    assert_bitwise(torch.stack(o1.metrics), torch.stack(o2.metrics), "metrics")
-    assert_bitwise(g1, g2, "d logp")
-
-
-def _pad(x, rows, cols, value):
-    x = torch.cat([x, torch.full((x.shape[0], cols), value, dtype=x.dtype)], 1)
-    return torch.cat([x, torch.full((rows, x.shape[1]), value, dtype=x.dtype)])
+    lp, old, ref, adv, w, mask = data(31, 47, torch.bfloat16)
+    kw = dict(FULL, loss_agg=loss_agg, ratio_type=ratio_type, ref_logp=ref, rollout_is_weights=w)
+    checks.check_run_to_run(backend, lp, old, adv, mask, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -247,34 +218,18 @@ def test_masked_padding_invariance(backend, dtype, ratio_type, loss_agg):
     NaN values) leave loss, metrics and d logp of the real tokens bitwise unchanged whenever the
     normaliser D is unchanged (seq-mean-token-sum-norm's default D = T changes with the columns,
     so padding columns are tested there with an explicit loss_norm)."""
-    lp, old, ref, adv, w, mask = _data(17, 31, dtype)
-    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type)
-    base, gbase = _run(lp, old, adv, mask, backend, ref_logp=ref, rollout_is_weights=w, **kw)
+    lp, old, ref, adv, w, mask = data(17, 31, dtype)
+    kw = dict(FULL, loss_agg=loss_agg, ratio_type=ratio_type)
+    base, gbase = run(lp, old, adv, mask, backend, ref_logp=ref, rollout_is_weights=w, **kw)
     norm_kw = {"loss_norm": 31.0} if loss_agg == "seq-mean-token-sum-norm" else {}
     if norm_kw:
-        b2, g2 = _run(
+        b2, g2 = run(
             lp, old, adv, mask, backend, ref_logp=ref, rollout_is_weights=w, **kw, **norm_kw
         )
         assert_bitwise(b2.loss, base.loss, "explicit loss_norm = T")
-    for rows, cols in [(1, 0), (15, 0), (0, 1), (0, 33), (4, 6)]:
-        extra = norm_kw if cols else {}
-        nan = math.nan
-        out, grad = _run(
-            _pad(lp, rows, cols, nan),
-            _pad(old, rows, cols, nan),
-            torch.cat([adv, torch.full((rows,), nan)]),
-            _pad(mask, rows, cols, False),
-            backend,
-            ref_logp=_pad(ref, rows, cols, nan),
-            rollout_is_weights=_pad(w, rows, cols, nan),
-            **kw,
-            **extra,
-        )
-        what = f"+{rows} rows +{cols} cols"
-        assert_bitwise(out.loss, base.loss, f"loss {what}")
-        assert_bitwise(torch.stack(out.metrics), torch.stack(base.metrics), f"metrics {what}")
-        assert_bitwise(grad[:17, :31], gbase, f"d logp {what}")
-        assert (grad[17:] == 0).all() and (grad[:, 31:] == 0).all()
+    pads = [(1, 0), (15, 0), (0, 1), (0, 33), (4, 6)]
+    tensors = (lp, old, ref, adv, w, mask)
+    checks.check_masked_padding(backend, tensors, (base, gbase), pads, norm_kw, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -282,41 +237,23 @@ def test_masked_padding_invariance(backend, dtype, ratio_type, loss_agg):
 @pytest.mark.parametrize("loss_agg", AGG_MODES)
 def test_row_invariance_of_grad_with_fixed_norm(backend, dtype, ratio_type, loss_agg):
     """With an explicit loss_norm, d logp of sequence b depends on sequence b only."""
-    lp, old, ref, adv, w, mask = _data(199, 21, dtype, seed=11)
-    x = torch.stack(
-        [lp.float(), old.float(), adv[:, None].expand(199, 21), mask.float(), ref.float(), w],
-        dim=1,
+    tensors = data(199, 21, dtype, seed=11)
+    kw = dict(loss_agg=loss_agg, ratio_type=ratio_type)
+    checks.check_row_invariance_of_grad(
+        backend, tensors, dtype, (1, 17, 31, 33, 199), f"d logp {loss_agg}", **kw
     )
-
-    def f(t):
-        _, grad = _run(
-            t[:, 0].to(dtype),
-            t[:, 1].to(dtype),
-            t[:, 2],
-            t[:, 3],
-            backend,
-            ref_logp=t[:, 4].to(dtype),
-            rollout_is_weights=t[:, 5],
-            loss_norm=1000.0,
-            loss_agg=loss_agg,
-            ratio_type=ratio_type,
-            **_FULL,
-        )
-        return grad
-
-    check_row_invariance(f, x, counts=(1, 17, 31, 33, 199), what=f"d logp {loss_agg}")
 
 
 def test_empty_batch(backend):
     lp = torch.zeros(3, 5)
-    out, grad = _run(lp, lp, torch.ones(3), torch.zeros(3, 5, dtype=torch.bool), backend)
+    out, grad = run(lp, lp, torch.ones(3), torch.zeros(3, 5, dtype=torch.bool), backend)
     assert out.loss == 0 and (grad == 0).all() and out.metrics.ratio_max == 0
-    out0, _ = _run(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0), None, backend)
+    out0, _ = run(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0), None, backend)
     assert out0.loss == 0
 
 
 def test_compile_matches_eager(backend):
-    lp, old, ref, adv, w, mask = _data(9, 11)
+    lp, old, ref, adv, w, mask = data(9, 11)
 
     def f(x, y, a, m):
         return grpo_loss(x, y, a, m, clip_high=0.28, dual_clip=3.0, backend=backend).loss
@@ -326,18 +263,10 @@ def test_compile_matches_eager(backend):
 
 
 def test_opcheck():
-    lp, old, ref, adv, w, mask = _data(5, 7)
-    a = adv[:, None].expand(5, 7).contiguous()
-    x = lp.clone().requires_grad_(True)
-    opts = (0.2, 0.28, 3.0, "token", "seq-mean-token-mean", 0.0, 0.1, 20.0, "native")
-    torch.library.opcheck(torch.ops.rl_engine.grpo_loss.default, (x, old, a, mask, ref, w, *opts))
+    x, old, a, mask = checks.check_opcheck("native", data(5, 7))
     opts_s = (0.2, 0.2, 0.0, "sequence", "token-mean", 10.0, 0.0, 20.0, "native")
     torch.library.opcheck(
         torch.ops.rl_engine.grpo_loss.default, (x, old, a, mask, None, None, *opts_s)
-    )
-    torch.library.opcheck(
-        torch.ops.rl_engine.grpo_loss_backward.default,
-        (torch.tensor(1.0), lp, old, a, mask, ref, w, *opts),
     )
 
 

@@ -9,8 +9,6 @@ provider when it can run.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -19,37 +17,20 @@ from rl_engine.ops import grpo_loss
 from rl_engine.ops.grpo_loss import AGG_MODES
 from rl_engine.ops.grpo_loss import triton as gl_triton
 from rl_engine.ops.ratio_kl import triton as rk_triton
-from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
+from rl_engine.testing.invariance import assert_bitwise
 from rl_engine.testing.tolerances import FP32_OUT, assert_close, tolerance
 from tests.conftest import DEVICE, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
+from tests.ops import grpo_loss_checks as checks
+from tests.ops.grpo_loss_checks import FULL, data, run
 
 RUNNABLE = triton_runnable(gl_triton)
 needs_triton = skip_unless_triton(gl_triton)
 DTYPES = TRITON_DTYPES
-# every option on: DAPO clip-higher, dual clip, k3 KL penalty (rollout IS weights added below)
-_FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_beta=0.05)
 _T_MULTI = gl_triton.BLOCK_T + 45  # two T tiles
 
 
 def _data(b, t, dtype=torch.float32, *, seed=0, scale=0.5):
-    g = torch.Generator().manual_seed(seed)
-    lp = (torch.randn(b, t, generator=g) * 0.5 - 1.5).to(dtype)
-    off = torch.randn(b, 1, generator=g) * 0.3
-    old = (lp.float() + off + torch.randn(b, t, generator=g) * scale).to(dtype)
-    ref = (lp.float() + torch.randn(b, t, generator=g) * 0.2).to(dtype)
-    adv = torch.randn(b, generator=g)
-    w = torch.rand(b, t, generator=g) * 1.5
-    mask = torch.rand(b, t, generator=g) > 0.2
-    if b > 1:
-        mask[1, :] = False  # an empty sequence in the middle
-    return [x.to(DEVICE) for x in (lp, old, ref, adv, w, mask)]
-
-
-def _run(lp, old, adv, mask, backend, **kw):
-    x = lp.clone().requires_grad_(True)
-    out = grpo_loss(x, old, adv, mask, backend=backend, **kw)
-    (grad,) = torch.autograd.grad(out.loss, x)
-    return out, grad
+    return data(b, t, dtype, seed=seed, scale=scale, device=DEVICE)
 
 
 def _cpu(v):
@@ -58,8 +39,8 @@ def _cpu(v):
 
 def _both(lp, old, adv, mask, **kw):
     """(triton on DEVICE, native on the CPU)."""
-    tri = _run(lp, old, adv, mask, "triton", **kw)
-    nat = _run(
+    tri = run(lp, old, adv, mask, "triton", **kw)
+    nat = run(
         lp.cpu(), old.cpu(), _cpu(adv), _cpu(mask), "native", **{k: _cpu(v) for k, v in kw.items()}
     )
     return tri, nat
@@ -126,7 +107,7 @@ def test_errors_direct_call():
 @pytest.mark.parametrize("loss_agg", AGG_MODES)
 def test_vs_native_all_options(dtype, ratio_type, loss_agg):
     lp, old, ref, adv, w, mask = _data(17, 31, dtype)
-    kw = dict(_FULL, ratio_type=ratio_type, loss_agg=loss_agg, ref_logp=ref, rollout_is_weights=w)
+    kw = dict(FULL, ratio_type=ratio_type, loss_agg=loss_agg, ref_logp=ref, rollout_is_weights=w)
     tri, nat = _both(lp, old, adv, mask, **kw)
     _compare(tri, nat, dtype, f"{ratio_type} {loss_agg} {dtype}")
     m = tri[0].metrics
@@ -161,13 +142,13 @@ def test_defaults_without_mask_and_options():
     lp, old, ref, adv, w, mask = _data(9, 23)
     tri, nat = _both(lp, old, adv, None)
     _compare(tri, nat, torch.float32, "defaults, mask None")
-    on, gon = _run(lp, lp, adv, mask, "triton", loss_agg="seq-mean-token-sum", loss_norm=8.0)
+    on, gon = run(lp, lp, adv, mask, "triton", loss_agg="seq-mean-token-sum", loss_norm=8.0)
     a = torch.where(mask, adv[:, None].expand(9, 23), torch.zeros((), device=DEVICE))
     assert_bitwise(gon, -a / 8.0, "on-policy gradient")
     assert on.metrics.clip_frac == 0 and on.metrics.ratio_min == 1 and on.metrics.ratio_max == 1
-    kl0, _ = _run(lp, old, adv, mask, "triton", ref_logp=ref)
+    kl0, _ = run(lp, old, adv, mask, "triton", ref_logp=ref)
     assert_bitwise(kl0.loss, kl0.metrics.pg_loss, "kl_beta=0: loss == pg_loss")
-    kl1, _ = _run(lp, old, adv, mask, "triton", ref_logp=ref, kl_beta=0.1)
+    kl1, _ = run(lp, old, adv, mask, "triton", ref_logp=ref, kl_beta=0.1)
     assert_bitwise(kl1.loss, kl1.metrics.pg_loss + 0.1 * kl1.metrics.kl_loss, "pg + beta * kl")
 
 
@@ -175,13 +156,13 @@ def test_defaults_without_mask_and_options():
 def test_empty_inputs():
     z = torch.zeros(3, 5, device=DEVICE)
     none = torch.zeros(3, 5, dtype=torch.bool, device=DEVICE)
-    out, grad = _run(z, z, torch.ones(3, device=DEVICE), none, "triton")
+    out, grad = run(z, z, torch.ones(3, device=DEVICE), none, "triton")
     assert out.loss == 0 and (grad == 0).all() and out.metrics.ratio_max == 0
     e = torch.zeros(0, 4, device=DEVICE)
-    out0, g0 = _run(e, e, torch.zeros(0, device=DEVICE), None, "triton")
+    out0, g0 = run(e, e, torch.zeros(0, device=DEVICE), None, "triton")
     assert out0.loss == 0 and g0.shape == (0, 4)
     e = torch.zeros(2, 0, device=DEVICE)
-    out1, g1 = _run(e, e, torch.zeros(2, device=DEVICE), None, "triton")
+    out1, g1 = run(e, e, torch.zeros(2, device=DEVICE), None, "triton")
     assert out1.loss == 0 and out1.metrics.num_tokens == 0 and g1.shape == (2, 0)
 
 
@@ -191,17 +172,8 @@ def test_empty_inputs():
 @pytest.mark.parametrize("loss_agg", AGG_MODES)
 def test_run_to_run_bitwise(ratio_type, loss_agg):
     lp, old, ref, adv, w, mask = _data(6, _T_MULTI, torch.float16)
-    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type, ref_logp=ref, rollout_is_weights=w)
-    o1, g1 = _run(lp, old, adv, mask, "triton", **kw)
-    o2, g2 = _run(lp, old, adv, mask, "triton", **kw)
-    assert_bitwise(o1.loss, o2.loss, "loss")
-    assert_bitwise(torch.stack(o1.metrics), torch.stack(o2.metrics), "metrics")
-    assert_bitwise(g1, g2, "d logp")
-
-
-def _pad(x, rows, cols, value):
-    x = torch.cat([x, torch.full((x.shape[0], cols), value, dtype=x.dtype, device=DEVICE)], 1)
-    return torch.cat([x, torch.full((rows, x.shape[1]), value, dtype=x.dtype, device=DEVICE)])
+    kw = dict(FULL, loss_agg=loss_agg, ratio_type=ratio_type, ref_logp=ref, rollout_is_weights=w)
+    checks.check_run_to_run("triton", lp, old, adv, mask, **kw)
 
 
 # (ratio_type, loss_agg, [B, T], [(rows, cols) appended]): rows cross the BLOCK_B boundary of
@@ -225,27 +197,12 @@ def test_masked_padding_invariance(ratio_type, loss_agg, shape, pads):
     bitwise unchanged while the normaliser D is unchanged."""
     b, t = shape
     lp, old, ref, adv, w, mask = _data(b, t, seed=5)
-    kw = dict(_FULL, loss_agg=loss_agg, ratio_type=ratio_type)
+    kw = dict(FULL, loss_agg=loss_agg, ratio_type=ratio_type)
     if loss_agg == "seq-mean-token-sum-norm":
         kw["loss_norm"] = float(t)  # its default D = T changes with the columns
-    base, gbase = _run(lp, old, adv, mask, "triton", ref_logp=ref, rollout_is_weights=w, **kw)
-    for rows, cols in pads:
-        nan = math.nan
-        out, grad = _run(
-            _pad(lp, rows, cols, nan),
-            _pad(old, rows, cols, nan),
-            torch.cat([adv, torch.full((rows,), nan, device=DEVICE)]),
-            _pad(mask, rows, cols, False),
-            "triton",
-            ref_logp=_pad(ref, rows, cols, nan),
-            rollout_is_weights=_pad(w, rows, cols, nan),
-            **kw,
-        )
-        what = f"+{rows} rows +{cols} cols"
-        assert_bitwise(out.loss, base.loss, f"loss {what}")
-        assert_bitwise(torch.stack(out.metrics), torch.stack(base.metrics), f"metrics {what}")
-        assert_bitwise(grad[:b, :t], gbase, f"d logp {what}")
-        assert (grad[b:] == 0).all() and (grad[:, t:] == 0).all()
+    base, gbase = run(lp, old, adv, mask, "triton", ref_logp=ref, rollout_is_weights=w, **kw)
+    tensors = (lp, old, ref, adv, w, mask)
+    checks.check_masked_padding("triton", tensors, (base, gbase), pads, {}, **kw)
 
 
 _ROW_CASES = [
@@ -262,39 +219,20 @@ _ROW_CASES = [
 @pytest.mark.parametrize("dtype, ratio_type, loss_agg", _ROW_CASES)
 def test_row_invariance_of_grad_with_fixed_norm(dtype, ratio_type, loss_agg):
     """With an explicit loss_norm, d logp of sequence b depends on sequence b only."""
-    lp, old, ref, adv, w, mask = _data(37, 21, dtype, seed=11)
-    x = torch.stack(
-        [lp.float(), old.float(), adv[:, None].expand(37, 21), mask.float(), ref.float(), w],
-        dim=1,
-    )
-
-    def f(t):
-        _, grad = _run(
-            t[:, 0].to(dtype),
-            t[:, 1].to(dtype),
-            t[:, 2],
-            t[:, 3],
-            "triton",
-            ref_logp=t[:, 4].to(dtype),
-            rollout_is_weights=t[:, 5],
-            loss_norm=1000.0,
-            loss_agg=loss_agg,
-            ratio_type=ratio_type,
-            **_FULL,
-        )
-        return grad
-
-    check_row_invariance(f, x, counts=(1, 17, 31, 33, 37), what=f"d logp {loss_agg} {dtype}")
+    tensors = _data(37, 21, dtype, seed=11)
+    kw = dict(loss_agg=loss_agg, ratio_type=ratio_type)
+    what = f"d logp {loss_agg} {dtype}"
+    checks.check_row_invariance_of_grad("triton", tensors, dtype, (1, 17, 31, 33, 37), what, **kw)
 
 
 @needs_triton
 def test_rows_per_program_changes_no_bits(monkeypatch):
     lp, old, ref, adv, w, mask = _data(9, _T_MULTI, seed=2)
-    kw = dict(_FULL, ratio_type="sequence", loss_agg="seq-mean-token-mean", ref_logp=ref)
-    base, gbase = _run(lp, old, adv, mask, "triton", **kw)
+    kw = dict(FULL, ratio_type="sequence", loss_agg="seq-mean-token-mean", ref_logp=ref)
+    base, gbase = run(lp, old, adv, mask, "triton", **kw)
     for rows in (1, 4):
         monkeypatch.setattr(rk_triton, "rows_per_program", lambda device, r=rows: r)
-        out, grad = _run(lp, old, adv, mask, "triton", **kw)
+        out, grad = run(lp, old, adv, mask, "triton", **kw)
         assert_bitwise(torch.stack(out.metrics), torch.stack(base.metrics), f"rows {rows}")
         assert_bitwise(out.loss, base.loss, f"loss rows {rows}")
         assert_bitwise(grad, gbase, f"d logp rows {rows}")
@@ -302,15 +240,7 @@ def test_rows_per_program_changes_no_bits(monkeypatch):
 
 @needs_triton
 def test_opcheck():
-    lp, old, ref, adv, w, mask = _data(5, 7)
-    a = adv[:, None].expand(5, 7).contiguous()
-    x = lp.clone().requires_grad_(True)
-    opts = (0.2, 0.28, 3.0, "token", "seq-mean-token-mean", 0.0, 0.1, 20.0, "triton")
-    torch.library.opcheck(torch.ops.rl_engine.grpo_loss.default, (x, old, a, mask, ref, w, *opts))
-    torch.library.opcheck(
-        torch.ops.rl_engine.grpo_loss_backward.default,
-        (torch.tensor(1.0, device=DEVICE), lp, old, a, mask, ref, w, *opts),
-    )
+    checks.check_opcheck("triton", _data(5, 7))
 
 
 # --------------------------------------------------------------------- GPU only
@@ -319,18 +249,18 @@ def test_opcheck():
 def test_gpu_bf16_training_shape(ratio_type):
     """A realistic bf16 step (64 x 2048 tokens): vs native, padding rows, run-to-run."""
     lp, old, ref, adv, w, mask = _data(64, 2048, torch.bfloat16, seed=9)
-    kw = dict(_FULL, ratio_type=ratio_type, ref_logp=ref, loss_agg="token-mean")
+    kw = dict(FULL, ratio_type=ratio_type, ref_logp=ref, loss_agg="token-mean")
     tri, nat = _both(lp, old, adv, mask, **kw)
     _compare(tri, nat, torch.bfloat16, f"gpu bf16 {ratio_type}")
-    again = _run(lp, old, adv, mask, "triton", **kw)
+    again = run(lp, old, adv, mask, "triton", **kw)
     assert_bitwise(again[1], tri[1], "run-to-run d logp")
-    padded = _run(
-        _pad(lp, 3, 0, 0.0),
-        _pad(old, 3, 0, 0.0),
+    padded = run(
+        checks.pad(lp, 3, 0, 0.0),
+        checks.pad(old, 3, 0, 0.0),
         torch.cat([adv, torch.zeros(3, device=DEVICE)]),
-        _pad(mask, 3, 0, False),
+        checks.pad(mask, 3, 0, False),
         "triton",
-        **{**kw, "ref_logp": _pad(ref, 3, 0, 0.0)},
+        **{**kw, "ref_logp": checks.pad(ref, 3, 0, 0.0)},
     )
     assert_bitwise(padded[0].loss, tri[0].loss, "padding rows: loss")
     assert_bitwise(padded[1][:64], tri[1], "padding rows: d logp")
