@@ -8,20 +8,11 @@ import torch
 import trainer_cases as tc
 
 from rl_engine.testing import fsdp_check
-from rl_engine.testing.tiny_models import make_tiny_model
 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory.mktemp("fsdp") / "qwen2",
-        arch="qwen2",
-        dtype="float32",
-        seed=0,
-        **tc.tiny_shape(hidden=64, heads=4, kv_heads=2, head_dim=16),
-    )
+model = tc.tiny_model_fixture("qwen2", tc.tiny_shape(hidden=64, heads=4, kv_heads=2, head_dim=16))
 
 
 def test_fsdp2_equals_one_process(model, tmp_path):

@@ -35,17 +35,9 @@ def ckpts(tmp_path_factory):
     return {c: make_tiny_model(root / _ids(c), c[0], c[1], c[2], seed=5) for c in CASES}
 
 
-def _load(path, dtype, patch=True):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model.eval()
-    if patch:
-        ha.patch_model(model)
-    return model
-
-
 @pytest.fixture(scope="module")
 def models(ckpts):
-    return {c: _load(p, c[1]) for c, p in ckpts.items()}
+    return {c: tc.load_hf(p, c[1]) for c, p in ckpts.items()}
 
 
 def _lp(model, temperature=0.7):
@@ -57,7 +49,7 @@ def _lp(model, temperature=0.7):
 
 
 def test_patch_idempotent_and_unpatch(ckpts):
-    model = _load(ckpts[CASES[2]], "float32", patch=False)
+    model = tc.load_hf(ckpts[CASES[2]], "float32", patch=False)
     ids = torch.randint(0, 512, (2, 7))
     with torch.no_grad():
         stock = model(ids).logits
@@ -87,14 +79,14 @@ def test_deepcopy_reference_model_uses_its_own_weights(ckpts):
     the log-probs of a freshly loaded and patched model, and not those of the updated policy.
     Pickling (``torch.save`` of the whole model) and ``state_dict`` keep working."""
     path = ckpts[("llama", "float32", False)]
-    policy = _load(path, "float32")
+    policy = tc.load_hf(path, "float32")
     reference = copy.deepcopy(policy)
     assert ha.is_patched(reference) and reference.config._attn_implementation == "rl_engine"
     with torch.no_grad():
         g = torch.Generator().manual_seed(11)
         for p in policy.parameters():
             p.add_(1e-2 * torch.randn(p.shape, generator=g))
-    fresh = _load(path, "float32")
+    fresh = tc.load_hf(path, "float32")
     ids, mask = tc.right_padded(tc.sequences()[:3])
     lp_ref = _lp(reference)(ids, mask)
     assert_bitwise(lp_ref, _lp(fresh)(ids, mask), "deep copy vs freshly patched old weights")
@@ -111,7 +103,7 @@ def test_deepcopy_reference_model_uses_its_own_weights(ckpts):
     assert ha.is_patched(loaded)
     assert_bitwise(_lp(loaded)(ids, mask), _lp(policy)(ids, mask), "torch.save / torch.load")
     assert ha.is_patched(pickle.loads(pickle.dumps(reference)))
-    stock = _load(path, "float32", patch=False)
+    stock = tc.load_hf(path, "float32", patch=False)
     assert list(policy.state_dict()) == list(stock.state_dict())
     reference.load_state_dict(policy.state_dict())
     assert_bitwise(_lp(reference)(ids, mask), _lp(policy)(ids, mask), "load_state_dict")
@@ -145,7 +137,7 @@ def test_logits_forward_equals_token_logprobs(models):
 def test_stock_hf_mismatches(ckpts):
     """The "before" picture: stock transformers (fp32, this CPU) gives a sequence alone other
     logits than the same sequence inside a padded batch."""
-    model = _load(ckpts[("llama", "float32", False)], "float32", patch=False)
+    model = tc.load_hf(ckpts[("llama", "float32", False)], "float32", patch=False)
     seqs = tc.sequences()
     ids, mask = tc.right_padded(seqs)
     with torch.no_grad():
@@ -211,7 +203,7 @@ def test_fused_projections_equal_separate_layers(ckpts, monkeypatch):
     monkeypatch.setattr(ops, "det_gemm_cat", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = {}
     for fuse in (True, False):
-        model = _load(ckpts[case], case[1], patch=False)
+        model = tc.load_hf(ckpts[case], case[1], patch=False)
         ha.patch_model(model, fuse_projections=fuse)
         model.train()
         calls.clear()
@@ -257,12 +249,12 @@ def test_errors(models, ckpts, tmp_path):
     # int64 cu_seqlens are taken as they are (converted)
     packed = ha.token_logprobs(model, ids.reshape(-1), cu_seqlens=torch.tensor([0, 6, 12]))
     assert packed.shape == (11,)
-    stock = _load(ckpts[("llama", "float32", False)], "float32", patch=False)
+    stock = tc.load_hf(ckpts[("llama", "float32", False)], "float32", patch=False)
     with pytest.raises(ha.UnsupportedModelError, match="patch_model"):
         ha.token_logprobs(stock, ids)
     gelu = make_tiny_model(tmp_path / "gelu", "llama", hidden_act="gelu")
     with pytest.raises(ha.UnsupportedModelError, match="hidden_act"):
-        ha.patch_model(_load(gelu, "float32", patch=False))
+        ha.patch_model(tc.load_hf(gelu, "float32", patch=False))
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     )

@@ -26,11 +26,7 @@ from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 SHAPE = tc.tiny_shape(hidden=64, heads=8, kv_heads=4, head_dim=16)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory.mktemp("tp") / "qwen2", arch="qwen2", dtype="float32", seed=0, **SHAPE
-    )
+model = tc.tiny_model_fixture("qwen2", SHAPE)
 
 
 @pytest.fixture(scope="module")

@@ -48,10 +48,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    m = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda()
-    m.eval()
-    ha.patch_model(m)
-    return m
+    return tc.load_hf(ckpt, "bfloat16", device="cuda")
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -147,18 +144,9 @@ def tiny_ckpts(tmp_path_factory):
     return {c: make_tiny_model(root / _case_id(c), c[0], c[1], c[2], seed=3) for c in CASES}
 
 
-def _hf(path, dtype: str, patch: bool = True):
-    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    m = m.cuda()
-    m.eval()
-    if patch:
-        ha.patch_model(m)
-    return m
-
-
 @pytest.fixture(scope="module")
 def hf_models(tiny_ckpts):
-    return {c: _hf(p, c[1]) for c, p in tiny_ckpts.items()}
+    return {c: tc.load_hf(p, c[1], device="cuda") for c, p in tiny_ckpts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +213,7 @@ def test_megatron_matches_hf_adapter_cuda(megatron, meg_models, hf_models, case)
 def test_stock_hf_mismatches_cuda(hf_models, tiny_ckpts, case):
     """The "before" picture on CUDA: the stock (unpatched) transformers model's log-probs
     (``logp`` on its logits) differ across micro-batch sizes or from the patched model's."""
-    stock = _hf(tiny_ckpts[case], case[1], patch=False)
+    stock = tc.load_hf(tiny_ckpts[case], case[1], patch=False, device="cuda")
 
     def stock_fn(ids, mask):
         with torch.no_grad():

@@ -15,20 +15,11 @@ pytest.importorskip("transformers")
 import trainer_cases as tc  # noqa: E402
 
 from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
-from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory.mktemp("vllm_tp") / "llama",
-        arch="llama",
-        dtype="float32",
-        seed=0,
-        **tc.tiny_shape(hidden=128, heads=4, kv_heads=2, head_dim=32),
-    )
+model = tc.tiny_model_fixture("llama", tc.tiny_shape(hidden=128, heads=4, kv_heads=2, head_dim=32))
 
 
 @pytest.fixture(scope="module")

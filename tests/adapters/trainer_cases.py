@@ -1,12 +1,14 @@
 """Shared inputs and checks of the adapter tests: variable-length sequences in three layouts,
-the layout-invariance checks of a trainer adapter, a greedy ``generate`` rollout, tiny model
-shapes."""
+the layout-invariance checks of a trainer adapter, a greedy ``generate`` rollout, tiny models
+(shapes, a checkpoint fixture, a patched HF model)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl_engine import ops
+from rl_engine.testing.tiny_models import make_tiny_model
 
 LENGTHS = (13, 5, 9, 3, 11)  # five sequences of different lengths
 VOCAB = 512  # the tiny models' vocabulary
@@ -162,3 +164,31 @@ def tiny_shape(hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int
         intermediate_size=2 * hidden,
         vocab_size=vocab,
     )
+
+
+def tiny_model_fixture(arch: str, shape: dict):
+    """A module-scoped fixture: the folder of a tiny random fp32 ``arch`` checkpoint (seed 0)
+    with the config fields ``shape`` (see :func:`tiny_shape`). In a test module:
+    ``model = tiny_model_fixture("qwen2", SHAPE)``."""
+
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory):
+        path = tmp_path_factory.mktemp(arch) / arch
+        return make_tiny_model(path, arch=arch, dtype="float32", seed=0, **shape)
+
+    return model
+
+
+def load_hf(path, dtype: str, patch: bool = True, device: str = "cpu"):
+    """The checkpoint at ``path`` as a transformers causal LM in ``dtype`` (a name) on
+    ``device``, in eval mode, patched by the HF adapter unless ``patch`` is false."""
+    import transformers
+
+    from rl_engine.adapters import hf as ha
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device)
+    model.eval()
+    if patch:
+        ha.patch_model(model)
+    return model
