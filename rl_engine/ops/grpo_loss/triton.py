@@ -54,14 +54,16 @@ _SEQ_MEAN = _AGG_ID["seq-mean-token-mean"]
 
 
 if triton is not None:
-    _tree_sum = _rk._tree_sum
-    _exp = _rk._exp
-    _k3 = _rk._k3
-    _expm1 = _rk._expm1
-    _tree_sum_rows = _rk._tree_sum_rows
-    _load_tile = _rk._load_tile
-    _log_ratio_tile = _rk._log_ratio_tile
-    _seq_partials = _rk._seq_partials
+    from rl_engine.ops.ratio_kl.triton import (  # the jit helpers both ops' kernels share
+        _exp,
+        _expm1,
+        _k3,
+        _load_tile,
+        _log_ratio_tile,
+        _seq_partials,
+        _tree_sum,
+        _tree_sum_rows,
+    )
 
     @triton.jit
     def _grpo_token_kernel(
