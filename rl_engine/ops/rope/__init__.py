@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, entry_arguments, register_op, register_triton
 from rl_engine.ops.rope import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -97,33 +97,6 @@ _rope_qk_backward_op = _rope_custom_op("rope_qk_backward", ("grad_q", "grad_k"),
 _rope_qk_op = _rope_custom_op("rope_qk", ("q", "k"), "qk", _rope_qk_backward_op)
 
 
-def _entry(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-    *,
-    provider: str,
-) -> torch.Tensor:
-    rotary_dim, canon = reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
-    return _rope_op(x, positions, float(theta), rotary_dim, is_neox, *canon, provider)
-
-
-def _entry_qk(
-    q, k, positions, theta=10000.0, rotary_dim=None, is_neox=True, scaling=None, *, provider
-):
-    rotary_dim, canon = reference._check(q, positions, theta, rotary_dim, is_neox, scaling)
-    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
-        raise ValueError(
-            f"rope_qk: k {tuple(k.shape)} {k.dtype} does not go with q {tuple(q.shape)} "
-            f"{q.dtype} (same tokens, head dim and dtype)"
-        )
-    reference._check(k, positions, theta, rotary_dim, is_neox, scaling)
-    return _rope_qk_op(q, k, positions, float(theta), rotary_dim, is_neox, *canon, provider)
-
-
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,7 +123,14 @@ def rope_qk(
     check_tensor("q", q)
     check_tensor("k", k)
     provider = resolve_provider("rope", q.device.type, backend)
-    return _entry_qk(q, k, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
+    rotary_dim, canon = reference._check(q, positions, theta, rotary_dim, is_neox, scaling)
+    if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
+        raise ValueError(
+            f"rope_qk: k {tuple(k.shape)} {k.dtype} does not go with q {tuple(q.shape)} "
+            f"{q.dtype} (same tokens, head dim and dtype)"
+        )
+    reference._check(k, positions, theta, rotary_dim, is_neox, scaling)
+    return _rope_qk_op(q, k, positions, float(theta), rotary_dim, is_neox, *canon, provider)
 
 
 def rope(
@@ -181,6 +161,16 @@ def rope(
     check_tensor("x", x)  # the full check runs once, in _entry
     provider = resolve_provider("rope", x.device.type, backend)
     return _entry(x, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
+
+
+_entry_arguments = entry_arguments(rope)
+
+
+def _entry(*args: Any, provider: str, **kwargs: Any) -> torch.Tensor:
+    """The op through ``provider``, called as :func:`rope` (but ``backend``)."""
+    x, positions, theta, rotary_dim, is_neox, scaling = _entry_arguments(*args, **kwargs).values()
+    rotary_dim, canon = reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
+    return _rope_op(x, positions, float(theta), rotary_dim, is_neox, *canon, provider)
 
 
 register_op(

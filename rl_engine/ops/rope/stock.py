@@ -8,11 +8,12 @@ the scalar tail). Registered for the audit mode; strict mode refuses it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from rl_engine.ops._common import signature_of
+from rl_engine.ops.rope import reference
 from rl_engine.ops.rope.reference import _check, inv_freq_table, rotate_pairs
 
 
@@ -28,24 +29,12 @@ def _rope(x, positions, theta, rotary_dim, is_neox, scaling, *, inverse: bool) -
     return torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
-def rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    """Stock torch rotary embedding (see module docstring)."""
-    return _rope(x, positions, theta, rotary_dim, is_neox, scaling, inverse=False)
+@signature_of(reference.rope)
+def rope(*args: Any) -> torch.Tensor:
+    """Stock torch rotary embedding (see module docstring); the reference's arguments."""
+    return _rope(*args, inverse=False)
 
 
-def rope_backward(
-    grad: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)
+@signature_of(reference.rope_backward)
+def rope_backward(*args: Any) -> torch.Tensor:
+    return _rope(*args, inverse=True)

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
+from rl_engine.ops.rope import reference
 from rl_engine.ops.rope.reference import _check, inv_freq_table
 
 __all__ = [
@@ -300,14 +302,8 @@ def _rope(
     return y, y2
 
 
-def rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
+@signature_of(reference.rope)
+def rope(*args: Any) -> torch.Tensor:
     """Batch-invariant rotary embedding on the GPU (Triton); bitwise equal to the reference.
 
     Args:
@@ -322,19 +318,13 @@ def rope(
     Returns:
         [T, heads, head_dim] in ``x.dtype``.
     """
-    return _rope(x, positions, theta, rotary_dim, is_neox, scaling, inverse=False)[0]
+    return _rope(*args, inverse=False)[0]
 
 
-def rope_backward(
-    grad: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
+@signature_of(reference.rope_backward)
+def rope_backward(*args: Any) -> torch.Tensor:
     """Gradient w.r.t. ``x``: the inverse rotation of ``grad`` [T, heads, head_dim]."""
-    return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)[0]
+    return _rope(*args, inverse=True)[0]
 
 
 def rope_qk(
