@@ -162,6 +162,70 @@ if triton is not None:
         return lo
 
     @triton.jit
+    def _seq_block(CU, pid, num_seqs, n_search, ROWS_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
+        # Program pid's sequence b (_find_seq), its first packed token and its length, and the
+        # first row (token x ROWS_PER_TOKEN) of the program's block in the sequence (at or past
+        # the sequence's rows for a spare program, which then returns).
+        b = _find_seq(CU, pid, num_seqs, n_search, ROWS_PER_TOKEN, BLOCK)
+        start = tl.load(CU + b)
+        seq_len = tl.load(CU + b + 1) - start
+        row0 = (pid - (start * ROWS_PER_TOKEN // BLOCK + b)) * BLOCK
+        return b, start, seq_len, row0
+
+    @triton.jit
+    def _row_block(row0, n_rows, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
+        # Rows row0 .. row0 + BLOCK_M - 1 (row = token x G + head of the group) of KV head kvh
+        # in a sequence of n_rows rows: in range, token in the sequence, query head.
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        tok = rows // G
+        head = kvh * G + rows % G
+        return row_ok, tok, head
+
+    @triton.jit
+    def _row_ptrs(X, t, h, stride_t, stride_h, offs_d):
+        # [rows, BLOCK_D] addresses of X[t, h, :] (a token and a head per row)
+        return X + t[:, None] * stride_t + h[:, None] * stride_h + offs_d[None, :]
+
+    @triton.jit
+    def _kv_ptrs(X, t, kvh, stride_t, stride_h, offs_d):
+        # [positions, BLOCK_D] addresses of X[t, kvh, :] (a token per position, one KV head)
+        return X + t[:, None] * stride_t + kvh * stride_h + offs_d[None, :]
+
+    @triton.jit
+    def _load_kv_rows(K, V, kv_rows, kvh, msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh):
+        # The backward's K and V tiles of packed tokens kv_rows (zero where masked)
+        k = tl.load(_kv_ptrs(K, kv_rows, kvh, stride_kt, stride_kh, offs_d), mask=msk, other=0.0)
+        v = tl.load(_kv_ptrs(V, kv_rows, kvh, stride_vt, stride_vh, offs_d), mask=msk, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _load_q_rows(
+        Q,
+        DO,
+        LSE,
+        DELTA,
+        q_rows,
+        head,
+        row_ok,
+        r_msk,
+        offs_d,
+        stride_qt,
+        stride_qh,
+        stride_dot,
+        stride_doh,
+        stride_lt,
+    ):
+        # The backward's per-row operands of a row block: q, dO (zero where masked), lse, delta
+        q = tl.load(_row_ptrs(Q, q_rows, head, stride_qt, stride_qh, offs_d), mask=r_msk, other=0.0)
+        do = tl.load(
+            _row_ptrs(DO, q_rows, head, stride_dot, stride_doh, offs_d), mask=r_msk, other=0.0
+        )
+        lse = tl.load(LSE + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+        return q, do, lse, delta
+
+    @triton.jit
     def _attend_tiles(
         q,
         K,
@@ -299,16 +363,10 @@ if triton is not None:
         # _attention_combine_kernel, which merges them in the same order.
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = _find_seq(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
-        q_start = tl.load(CU_Q + b)
-        q_len = tl.load(CU_Q + b + 1) - q_start
-        row0 = (pid - (q_start * G // BLOCK_M + b)) * BLOCK_M
+        b, q_start, q_len, row0 = _seq_block(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
         if row0 >= q_len * G:
             return
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len * G
-        tok = rows // G
-        head = kvh * G + rows % G
+        row_ok, tok, head = _row_block(row0, q_len * G, kvh, G, BLOCK_M)
         if PAGED:
             kv_len = tl.load(SEQ_LENS + b)
         else:
@@ -327,7 +385,7 @@ if triton is not None:
             if j_begin >= n_tiles:
                 return
         q = tl.load(
-            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            _row_ptrs(Q, q_rows, head, stride_qt, stride_qh, offs_d),
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
@@ -373,7 +431,7 @@ if triton is not None:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(
-            OUT + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            _row_ptrs(OUT, q_rows, head, stride_ot, stride_oh, offs_d),
             out.to(OUT.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -456,16 +514,8 @@ if triton is not None:
         h = rows % n_heads
         offs_d = tl.arange(0, BLOCK_D)
         msk = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        o = tl.load(
-            OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-            mask=msk,
-            other=0.0,
-        )
-        do = tl.load(
-            DO + t[:, None] * stride_dot + h[:, None] * stride_doh + offs_d[None, :],
-            mask=msk,
-            other=0.0,
-        )
+        o = tl.load(_row_ptrs(OUT, t, h, stride_ot, stride_oh, offs_d), mask=msk, other=0.0)
+        do = tl.load(_row_ptrs(DO, t, h, stride_dot, stride_doh, offs_d), mask=msk, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(DELTA + rows, delta, mask=ok)
 
@@ -505,10 +555,7 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = _find_seq(CU, pid, num_seqs, n_search, 1, BLOCK_N)
-        start = tl.load(CU + b)
-        seq_len = tl.load(CU + b + 1) - start
-        n0 = (pid - (start // BLOCK_N + b)) * BLOCK_N
+        b, start, seq_len, n0 = _seq_block(CU, pid, num_seqs, n_search, 1, BLOCK_N)
         if n0 >= seq_len:
             return
         kv_pos = n0 + tl.arange(0, BLOCK_N)
@@ -517,15 +564,8 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         kv_msk = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_msk,
-            other=0.0,
-        )
-        v = tl.load(
-            V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_msk,
-            other=0.0,
+        k, v = _load_kv_rows(
+            K, V, kv_rows, kvh, kv_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -535,24 +575,13 @@ if triton is not None:
         else:
             i_first = 0
         for i in range(i_first, tl.cdiv(n_rows, BLOCK_M)):
-            rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < n_rows
-            tok = rows // G
-            head = kvh * G + rows % G
+            row_ok, tok, head = _row_block(i * BLOCK_M, n_rows, kvh, G, BLOCK_M)
             q_rows = (start + tok).to(tl.int64)
             r_msk = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(
-                Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=r_msk,
-                other=0.0,
-            )
-            do = tl.load(
-                DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
-                mask=r_msk,
-                other=0.0,
-            )
-            lse = tl.load(LSE + q_rows * stride_lt + head, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+            q, do, lse, delta = _load_q_rows(
+                Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
+                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
+            )  # fmt: skip
             st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale  # [BLOCK_N, BLOCK_M]
             mask = kv_ok[:, None] & row_ok[None, :]
             if CAUSAL:
@@ -564,12 +593,12 @@ if triton is not None:
             dk += tl.dot(dst.to(q.dtype), q, input_precision="ieee")
         dk = dk * scale
         tl.store(
-            DK + kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
+            _kv_ptrs(DK, kv_rows, kvh, stride_dkt, stride_dkh, offs_d),
             dk.to(DK.dtype.element_ty),
             mask=kv_msk,
         )
         tl.store(
-            DV + kv_rows[:, None] * stride_dvt + kvh * stride_dvh + offs_d[None, :],
+            _kv_ptrs(DV, kv_rows, kvh, stride_dvt, stride_dvh, offs_d),
             dv.to(DV.dtype.element_ty),
             mask=kv_msk,
         )
@@ -607,32 +636,18 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = _find_seq(CU, pid, num_seqs, n_search, G, BLOCK_M)
-        start = tl.load(CU + b)
-        seq_len = tl.load(CU + b + 1) - start
-        row0 = (pid - (start * G // BLOCK_M + b)) * BLOCK_M
+        b, start, seq_len, row0 = _seq_block(CU, pid, num_seqs, n_search, G, BLOCK_M)
         if row0 >= seq_len * G:
             return
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < seq_len * G
-        tok = rows // G
-        head = kvh * G + rows % G
+        row_ok, tok, head = _row_block(row0, seq_len * G, kvh, G, BLOCK_M)
         q_rows = (start + tok).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         r_msk = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(
-            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=r_msk,
-            other=0.0,
-        )
-        do = tl.load(
-            DO + q_rows[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
-            mask=r_msk,
-            other=0.0,
-        )
-        lse = tl.load(LSE + q_rows * stride_lt + head, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + q_rows * stride_lt + head, mask=row_ok, other=0.0)
+        q, do, lse, delta = _load_q_rows(
+            Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
+            stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
+        )  # fmt: skip
         if CAUSAL:
             hi = tl.minimum(tl.max(tl.where(row_ok, tok, 0), axis=0) + 1, seq_len)
         else:
@@ -644,15 +659,8 @@ if triton is not None:
             kv_ok = kv_pos < seq_len
             kv_rows = (start + kv_pos).to(tl.int64)
             t_msk = kv_ok[:, None] & d_ok[None, :]
-            kk = tl.load(
-                K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=t_msk,
-                other=0.0,
-            )
-            vv = tl.load(
-                V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                mask=t_msk,
-                other=0.0,
+            kk, vv = _load_kv_rows(
+                K, V, kv_rows, kvh, t_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
             )
             s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
             mask = row_ok[:, None] & kv_ok[None, :]
@@ -664,7 +672,7 @@ if triton is not None:
             dq += tl.dot(ds.to(kk.dtype), kk, input_precision="ieee")
         dq = dq * scale
         tl.store(
-            DQ + q_rows[:, None] * stride_dqt + head[:, None] * stride_dqh + offs_d[None, :],
+            _row_ptrs(DQ, q_rows, head, stride_dqt, stride_dqh, offs_d),
             dq.to(DQ.dtype.element_ty),
             mask=r_msk,
         )
@@ -719,12 +727,21 @@ def _check_device(t: torch.Tensor) -> None:
     _tr.check_device("attention", t)
 
 
-def _check_interpreter_dtype(t: torch.Tensor) -> None:
-    if t.device.type == "cpu" and t.dtype == torch.bfloat16:
+def _check_query(q: torch.Tensor) -> None:
+    """The Triton-only checks of a query (or of the backward's q): a device the kernels run on,
+    no bfloat16 in the interpreter, a supported head dim (:func:`get_config`)."""
+    _check_device(q)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         raise TypeError(
             "attention[triton]: bfloat16 is not supported in the Triton interpreter (its bf16 "
             "tl.dot is wrong); use float32 / float16 there, or backend='native'"
         )
+    get_config(q.shape[2])
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
 
 
 _guard = _tr.device_guard
@@ -737,6 +754,12 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
 
 def _n_search(num_seqs: int) -> int:
     return max(1, int(num_seqs).bit_length())
+
+
+def _th_strides(*ts: torch.Tensor) -> tuple[int, ...]:
+    """The (token, head) strides of each [T, H, ...] tensor in turn: the kernels'
+    ``stride_<x>t, stride_<x>h`` arguments."""
+    return tuple(st for t in ts for st in (t.stride(0), t.stride(1)))
 
 
 def _launch_fwd(
@@ -770,15 +793,14 @@ def _launch_fwd(
     if t == 0 or num_seqs == 0:
         return
     grid = (t * g // cfg.block_m + num_seqs, hkv)
+    # (block, token, head) strides of the keys and values; packed rows have no block
     if paged:
-        kb, kt_, kh = k.stride(0), k.stride(1), k.stride(2)
-        vb, vt_, vh = v.stride(0), v.stride(1), v.stride(2)
+        kv_strides = (*k.stride()[:3], *v.stride()[:3])
         page_size = k.shape[1]
         bt, bt_stride = block_table, block_table.stride(0)
         lens = seq_lens
     else:
-        kb, kt_, kh = 0, k.stride(0), k.stride(1)
-        vb, vt_, vh = 0, v.stride(0), v.stride(1)
+        kv_strides = (0, *_th_strides(k), 0, *_th_strides(v))
         page_size, bt, bt_stride, lens = 1, cu_q, 0, cu_q
     block_d = _block_d(d)
     # split programs: decode-sized paged calls (a shape-only choice, CUDA-graph friendly)
@@ -807,16 +829,9 @@ def _launch_fwd(
             num_seqs,
             _n_search(num_seqs),
             page_size,
-            q.stride(0),
-            q.stride(1),
-            kb,
-            kt_,
-            kh,
-            vb,
-            vt_,
-            vh,
-            out.stride(0),
-            out.stride(1),
+            *_th_strides(q),
+            *kv_strides,
+            *_th_strides(out),
             bt_stride,
             hq,
             t * hq,
@@ -843,8 +858,7 @@ def _launch_fwd(
                 part_acc,
                 num_seqs,
                 _n_search(num_seqs),
-                out.stride(0),
-                out.stride(1),
+                *_th_strides(out),
                 t * hq,
                 HQ=hq,
                 HEAD_DIM=d,
@@ -878,9 +892,7 @@ def attention(
 
 def _attention(q, k, v, cu_seqlens, scale=None, causal=True, *, split: bool):
     reference._check_attention(q, k, v, cu_seqlens, scale, causal)
-    _check_device(q)
-    _check_interpreter_dtype(q)
-    get_config(q.shape[2])
+    _check_query(q)
     scale = reference.default_scale(q.shape[2], scale)
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     cu_seqlens = cu_seqlens.contiguous()  # the kernels index metadata with unit stride
@@ -920,11 +932,8 @@ def _paged(
     split: bool,
 ):
     reference._check_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-    _check_device(q)
-    _check_interpreter_dtype(q)
-    get_config(q.shape[2])
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
+    _check_query(q)
+    _check_caches(k_cache, v_cache)
     scale = reference.default_scale(q.shape[2], scale)
     q = _last_contig(q)
     # the kernels index metadata with unit stride (a no-op for the usual contiguous slices)
@@ -963,8 +972,7 @@ def write_kv_cache(
     """Exact copy of ``k`` / ``v`` into the caches at ``slot_mapping`` (``-1`` skips)."""
     reference._check_write(k, v, k_cache, v_cache, slot_mapping)
     _check_device(k)
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
+    _check_caches(k_cache, v_cache)
     t, hkv, d = k.shape
     if t == 0:
         return
@@ -981,16 +989,9 @@ def write_kv_cache(
             slot_mapping,
             k_cache.shape[1],
             num_slots,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
+            *_th_strides(k, v),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
             HEAD_DIM=d,
             BLOCK_H=triton.next_power_of_2(hkv),
             BLOCK_D=triton.next_power_of_2(d),
@@ -1016,12 +1017,10 @@ def attention_bwd(
 
     ``bwd_configs`` (dK/dV, dQ) overrides the checked-in table and ``kernels`` runs a subset
     (both for ``benchmarks/sweep_attention_bwd.py``; a subset leaves the other outputs unset)."""
-    _check_device(q)
-    _check_interpreter_dtype(q)
+    _check_query(q)
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    get_config(d)  # validates the head dim
     dout, q, k, v, out = (_last_contig(x) for x in (dout, q, k, v, out))
     lse, cu_seqlens = lse.contiguous(), cu_seqlens.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -1032,16 +1031,7 @@ def attention_bwd(
     cfg_kv, cfg_q = bwd_configs if bwd_configs is not None else _BWD_CONFIGS[bd]
     delta = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     block_r = 32
-    strides = (
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        dout.stride(0),
-        dout.stride(1),
-    )
+    strides = _th_strides(q, k, v, dout)
     common = dict(G=g, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal)
     with _guard(q):
         if "delta" in kernels:
@@ -1051,10 +1041,7 @@ def attention_bwd(
                 delta,
                 t * hq,
                 hq,
-                out.stride(0),
-                out.stride(1),
-                dout.stride(0),
-                dout.stride(1),
+                *_th_strides(out, dout),
                 HEAD_DIM=d,
                 BLOCK_D=bd,
                 BLOCK_R=block_r,
@@ -1079,7 +1066,7 @@ def attention_bwd(
                 num_seqs,
                 _n_search(num_seqs),
                 *strides,
-                *(st for o in outs for st in (o.stride(0), o.stride(1))),
+                *_th_strides(*outs),
                 hq,
                 scale,
                 **common,
