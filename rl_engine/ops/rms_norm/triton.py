@@ -229,6 +229,35 @@ def _next_pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _row_tile(
+        M, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, INT64: tl.constexpr
+    ):
+        # This program's tile of ROWS rows (int64 indices when INT64): rows, columns, and the
+        # mask of the elements inside the [M, H] matrix.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        return rows, cols, (rows[:, None] < M) & (cols[None, :] < H)
+
+    @triton.jit
+    def _tile_ptrs(ptr, rows, stride, cols):
+        # [rows, cols] addresses of a row-major matrix with row stride ``stride``
+        return ptr + rows[:, None] * stride + cols[None, :]
+
+    @triton.jit
+    def _load_r_g(r_ptr, g_ptr, rows, cols, mask, stride_r, stride_g):
+        # a backward tile: r and grad of rows ``rows`` (zeros where masked)
+        r = tl.load(_tile_ptrs(r_ptr, rows, stride_r, cols), mask=mask, other=0.0)
+        g = tl.load(_tile_ptrs(g_ptr, rows, stride_g, cols), mask=mask, other=0.0)
+        return r, g
+
+    @triton.jit
+    def _chunk_mask(rows, end, cmask):
+        # the elements of rows ``rows`` before the chunk's end row ``end``, in the H columns
+        return (rows[:, None] < end) & cmask[None, :]
+
+    @triton.jit
     def _rms_norm_fwd_kernel(
         x_ptr,
         res_ptr,
@@ -247,31 +276,20 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr,
         INT64: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        if INT64:
-            rows = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_H)
-        mask = (rows[:, None] < M) & (cols[None, :] < H)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        rows, cols, mask = _row_tile(M, H, BLOCK_H, ROWS, INT64)
+        x = tl.load(_tile_ptrs(x_ptr, rows, stride_x, cols), mask=mask, other=0.0)
         x32 = x.to(tl.float32)
         if HAS_RESIDUAL:
-            res = tl.load(
-                res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0
-            )
+            res = tl.load(_tile_ptrs(res_ptr, rows, stride_res, cols), mask=mask, other=0.0)
             # torch's x + residual: fp32 add, one rounding to x.dtype
             s = (x32 + res.to(tl.float32)).to(s_ptr.dtype.element_ty)
-            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+            tl.store(_tile_ptrs(s_ptr, rows, stride_s, cols), s, mask=mask)
             x32 = s.to(tl.float32)
         var = tl.div_rn(tl.sum(x32 * x32, axis=1), H * 1.0)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
         w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
         y = (x32 * rstd[:, None]) * w[None, :]
-        tl.store(
-            y_ptr + rows[:, None] * stride_y + cols[None, :],
-            y.to(y_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        tl.store(_tile_ptrs(y_ptr, rows, stride_y, cols), y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _sum_pair(a0, b0, a1, b1):
@@ -315,24 +333,13 @@ if triton is not None:
     ):
         # One tile of ROWS rows per program: the fused kernel's tile (same tile shape, warps
         # and expressions, see _bwd_rows), so both give the same dX bits.
-        pid = tl.program_id(0)
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        if INT64:
-            rows = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_H)
-        mask = (rows[:, None] < M) & (cols[None, :] < H)
-        x32 = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
-        dy = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        rows, cols, mask = _row_tile(M, H, BLOCK_H, ROWS, INT64)
+        x32 = tl.load(_tile_ptrs(r_ptr, rows, stride_r, cols), mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(_tile_ptrs(g_ptr, rows, stride_g, cols), mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
         _, dx = _bwd_rows(x32, dy, w, eps, H, True)
         tl.store(
-            dx_ptr + rows[:, None] * stride_dx + cols[None, :],
-            dx.to(dx_ptr.dtype.element_ty),
-            mask=mask,
+            _tile_ptrs(dx_ptr, rows, stride_dx, cols), dx.to(dx_ptr.dtype.element_ty), mask=mask
         )
 
     @triton.jit
@@ -369,11 +376,9 @@ if triton is not None:
             if HAS_GS:
                 # torch's dx + grad_sum (16-bit dtypes only: the rounding of dx above keeps
                 # the add from being contracted into an FMA)
-                gs = tl.load(
-                    gs_ptr + rows[:, None] * stride_gs + cols[None, :], mask=mask, other=0.0
-                )
+                gs = tl.load(_tile_ptrs(gs_ptr, rows, stride_gs, cols), mask=mask, other=0.0)
                 dx = (dx.to(tl.float32) + gs.to(tl.float32)).to(dx_ptr.dtype.element_ty)
-            tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx, mask=mask)
+            tl.store(_tile_ptrs(dx_ptr, rows, stride_dx, cols), dx, mask=mask)
         # rows past the end are zeros, but 0 * rstd is NaN when eps == 0: mask them out
         return acc + tl.sum(tl.where(mask, dy * n, 0.0), axis=0)
 
@@ -425,26 +430,16 @@ if triton is not None:
             # reductions, so they are in flight while it computes (rows past the chunk are
             # masked, so nothing is read twice)
             rows0 = first + tl.arange(0, ROWS)
-            mask0 = (rows0[:, None] < end) & cmask[None, :]
-            r_next = tl.load(
-                r_ptr + rows0[:, None] * stride_r + cols[None, :], mask=mask0, other=0.0
-            )
-            g_next = tl.load(
-                g_ptr + rows0[:, None] * stride_g + cols[None, :], mask=mask0, other=0.0
-            )
+            mask0 = _chunk_mask(rows0, end, cmask)
+            r_next, g_next = _load_r_g(r_ptr, g_ptr, rows0, cols, mask0, stride_r, stride_g)
             for i in range(0, end - first, ROWS):
                 rows = first + i + tl.arange(0, ROWS)
-                mask = (rows[:, None] < end) & cmask[None, :]
+                mask = _chunk_mask(rows, end, cmask)
                 x = r_next
                 dy = g_next
                 nrows = rows + ROWS
-                nmask = (nrows[:, None] < end) & cmask[None, :]
-                r_next = tl.load(
-                    r_ptr + nrows[:, None] * stride_r + cols[None, :], mask=nmask, other=0.0
-                )
-                g_next = tl.load(
-                    g_ptr + nrows[:, None] * stride_g + cols[None, :], mask=nmask, other=0.0
-                )
+                nmask = _chunk_mask(nrows, end, cmask)
+                r_next, g_next = _load_r_g(r_ptr, g_ptr, nrows, cols, nmask, stride_r, stride_g)
                 acc = _bwd_tile_step(
                     acc, x, dy, rows, mask, cols, cmask, w, w_ptr, gs_ptr, dx_ptr,
                     stride_gs, stride_dx, eps, H, STORE_DX, HAS_GS, RELOAD_W,
@@ -454,9 +449,8 @@ if triton is not None:
             # ahead (through shared memory where it can)
             for i in tl.range(0, end - first, ROWS, num_stages=STAGES):
                 rows = first + i + tl.arange(0, ROWS)
-                mask = (rows[:, None] < end) & cmask[None, :]
-                x = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-                dy = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+                mask = _chunk_mask(rows, end, cmask)
+                x, dy = _load_r_g(r_ptr, g_ptr, rows, cols, mask, stride_r, stride_g)
                 acc = _bwd_tile_step(
                     acc, x, dy, rows, mask, cols, cmask, w, w_ptr, gs_ptr, dx_ptr,
                     stride_gs, stride_dx, eps, H, STORE_DX, HAS_GS, RELOAD_W,
