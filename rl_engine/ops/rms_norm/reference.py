@@ -21,6 +21,7 @@ that row, ``weight``, ``eps`` and ``H`` alone: row invariant by construction, on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -80,6 +81,23 @@ def _norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ((x32 * _rstd(x32, eps)) * weight.float()).to(r.dtype)
 
 
+def with_residual(
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` of the torch providers around their row math ``norm(r, weight, eps)``: the
+    argument checks, then ``norm(x, ...)``, or with ``residual`` ``(norm(s, ...), s)`` for
+    ``s = x + residual`` (torch's add in ``x.dtype``)."""
+    _check(x, weight, eps, residual)
+    if residual is None:
+        return norm(x, weight, eps)
+    s = x + residual
+    return norm(s, weight, eps), s
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -102,11 +120,7 @@ def rms_norm(
         ``y`` [..., H] in ``x.dtype``; with ``residual``, ``(rms_norm(x + residual), x + residual)``
         where the sum is computed in ``x.dtype``.
     """
-    _check(x, weight, eps, residual)
-    if residual is None:
-        return _norm(x, weight, eps)
-    s = x + residual
-    return _norm(s, weight, eps), s
+    return with_residual(_norm, x, weight, eps, residual)
 
 
 def rms_norm_dx(

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops.rms_norm.reference import _check
+from rl_engine.ops.rms_norm.reference import with_residual
+
+
+def _rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = r.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * rstd * weight.float()).to(r.dtype)
+    return (x32 * _rstd(x32, eps) * weight.float()).to(r.dtype)
 
 
 def rms_norm(
@@ -24,18 +27,14 @@ def rms_norm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face style RMSNorm with stock torch reductions."""
-    _check(x, weight, eps, residual)
-    if residual is None:
-        return _norm(x, weight, eps)
-    s = x + residual
-    return _norm(s, weight, eps), s
+    return with_residual(_norm, x, weight, eps, residual)
 
 
 def rms_norm_dx(
     grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     x32 = r.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    rstd = _rstd(x32, eps)
     n = x32 * rstd
     g = grad.float() * weight.float()
     return ((g - n * (g * n).mean(-1, keepdim=True)) * rstd).to(r.dtype)
@@ -43,5 +42,5 @@ def rms_norm_dx(
 
 def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = r.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    rstd = _rstd(x32, eps)
     return (grad.float() * x32 * rstd).reshape(-1, x32.shape[-1]).sum(0)
