@@ -12,17 +12,19 @@ from rl_engine.ops.det_gemm.reference import det_gemm_wgrad
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
 from tests.conftest import backend_fixture
+from tests.ops.rms_norm_checks import (
+    EPS,
+    check_backward,
+    check_fused_equals_unfused,
+    dx_rows,
+    fused_rows,
+)
+from tests.ops.rms_norm_checks import rms64 as _ref64
 
 DTYPES = [torch.float32, torch.bfloat16]
-EPS = 1e-6
 
 
 backend = backend_fixture("rms_norm")
-
-
-def _ref64(r: torch.Tensor, w: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    r64 = r.double()
-    return r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
@@ -57,23 +59,7 @@ def test_mixed_weight_dtype(backend):
 def test_backward_numerics_and_determinism(backend, dtype):
     x = torch.randn(45, 96, dtype=dtype, requires_grad=True)
     w = torch.randn(96, dtype=dtype, requires_grad=True)
-    g = torch.randn(45, 96, dtype=dtype)
-
-    def grads():
-        x.grad = w.grad = None
-        rms_norm(x, w, EPS, backend=backend).backward(g)
-        return x.grad.clone(), w.grad.clone()
-
-    gx, gw = grads()
-    gx2, gw2 = grads()
-    assert_bitwise(gx, gx2, "dx run-to-run")
-    assert_bitwise(gw, gw2, "dw run-to-run")
-    x64 = x.detach().double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    _ref64(x64, w64).backward(g.double())
-    rtol, atol = tolerance(dtype, grad=True)
-    assert_close(gx, x64.grad, rtol=rtol, atol=atol, what="dx")
-    assert_close(gw, w64.grad, rtol=rtol, atol=atol, what="dw")
+    check_backward(backend, x, w, torch.randn(45, 96, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,11 +73,7 @@ def test_row_invariance_forward(backend, dtype):
 def test_row_invariance_fused_forward(backend, dtype):
     w = torch.randn(128, dtype=dtype)
     x, res = torch.randn(199, 128, dtype=dtype), torch.randn(199, 128, dtype=dtype)
-
-    def f(idx):  # rows addressed by index so that x and residual are sliced together
-        i = idx.long()
-        return torch.cat(rms_norm(x[i], w, EPS, res[i], backend=backend), dim=-1)
-
+    f = fused_rows(backend, x, w, res)
     check_row_invariance(f, torch.arange(199.0), what="fused rms_norm fwd")
 
 
@@ -101,17 +83,7 @@ def test_row_invariance_dx(backend, dtype, fused):
     w = torch.randn(200, dtype=dtype)
     x, res = torch.randn(199, 200, dtype=dtype), torch.randn(199, 200, dtype=dtype)
     gy, gs = torch.randn(199, 200, dtype=dtype), torch.randn(199, 200, dtype=dtype)
-
-    def dx(idx):
-        i = idx.long()
-        xi = x[i].clone().requires_grad_(True)
-        if fused:
-            y, s = rms_norm(xi, w, EPS, res[i], backend=backend)
-            torch.autograd.backward([y, s], [gy[i], gs[i]])
-        else:
-            rms_norm(xi, w, EPS, backend=backend).backward(gy[i])
-        return xi.grad
-
+    dx = dx_rows(backend, x, w, res, gy, gs, fused=fused)
     counts = (1, 17, 31, 33, 64, 65, 128, 129, 199)
     check_row_invariance(dx, torch.arange(199.0), counts=counts, what=f"dX fused={fused}")
 
@@ -122,20 +94,7 @@ def test_fused_equals_unfused_bitwise(backend, dtype, grad_s):
     x0, r0 = torch.randn(67, 72, dtype=dtype), torch.randn(67, 72, dtype=dtype)
     w0 = torch.randn(72, dtype=dtype)
     gy, gs = torch.randn(67, 72, dtype=dtype), torch.randn(67, 72, dtype=dtype)
-
-    def run(fused):
-        x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w0))
-        if fused:
-            y, s = rms_norm(x, w, EPS, r, backend=backend)
-        else:
-            s = x + r
-            y = rms_norm(s, w, EPS, backend=backend)
-        outs, grads = ([y, s], [gy, gs]) if grad_s else ([y], [gy])
-        torch.autograd.backward(outs, grads)
-        return y, s, x.grad, r.grad, w.grad
-
-    for a, b, name in zip(run(True), run(False), ["y", "s", "dx", "dresidual", "dweight"]):
-        assert_bitwise(a, b, f"fused vs unfused {name}")
+    check_fused_equals_unfused(backend, x0, r0, w0, gy, gs, grad_s=grad_s)
 
 
 def test_weight_grad_order_and_zero_padding(backend):

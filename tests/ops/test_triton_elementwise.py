@@ -22,6 +22,13 @@ from rl_engine.ops.silu_and_mul import triton as silu_triton
 from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
 from rl_engine.testing.tolerances import assert_close, tolerance
 from tests.conftest import DEVICE, ON_GPU, TRITON_DTYPES, gpu, skip_unless_triton, triton_runnable
+from tests.ops.rms_norm_checks import (
+    check_backward,
+    check_fused_equals_unfused,
+    dx_rows,
+    fused_rows,
+)
+from tests.ops.rms_norm_checks import rms64 as _rms64
 
 RUNNABLE = triton_runnable(rms_triton)
 needs_triton = skip_unless_triton(rms_triton)
@@ -91,11 +98,6 @@ def test_rope_constants_are_the_references():
 
 
 # ============================================================================ rms_norm
-def _rms64(r, w, eps=EPS):
-    r64 = r.double()
-    return r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
-
-
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 16), (33, 760), (17, 1128), (0, 64), (2, 5, 129), (3, 1)])
@@ -126,23 +128,8 @@ def test_rms_norm_backward_numerics_and_determinism(dtype, h):
     x = _rand(45, h, dtype=dtype).requires_grad_(True)
     w = _rand(h, dtype=dtype).requires_grad_(True)
     g = _rand(45, h, dtype=dtype)
-
-    def grads():
-        x.grad = w.grad = None
-        rms_norm(x, w, EPS, backend=B).backward(g)
-        return x.grad.clone(), w.grad.clone()
-
-    gx, gw = grads()
-    gx2, gw2 = grads()
-    assert_bitwise(gx, gx2, "dx run-to-run")
-    assert_bitwise(gw, gw2, "dw run-to-run")
-    x64 = x.detach().double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    _rms64(x64, w64).backward(g.double())
-    rtol, atol = tolerance(dtype, grad=True)
-    assert_close(gx, x64.grad, rtol=rtol, atol=atol, what="dx")
     # dw sums 45 rows of products of size ~1: scale atol with the reduction length
-    assert_close(gw, w64.grad, rtol=rtol, atol=atol * 45**0.5, what="dw")
+    check_backward(B, x, w, g, dw_atol_scale=45**0.5)
 
 
 @needs_triton
@@ -159,11 +146,7 @@ def test_rms_norm_row_invariance_forward(dtype, h):
 def test_rms_norm_row_invariance_fused_forward(dtype):
     w = _rand(128, dtype=dtype)
     x, res = _rand(199, 128, dtype=dtype), _rand(199, 128, dtype=dtype)
-
-    def f(idx):
-        i = idx.long()
-        return torch.cat(rms_norm(x[i], w, EPS, res[i], backend=B), dim=-1)
-
+    f = fused_rows(B, x, w, res)
     check_row_invariance(f, torch.arange(199.0, device=DEVICE), counts=COUNTS, what="fused fwd")
 
 
@@ -175,18 +158,7 @@ def test_rms_norm_row_invariance_dx(dtype, fused, wgrad):
     w0 = _rand(200, dtype=dtype)
     x, res = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
     gy, gs = _rand(150, 200, dtype=dtype), _rand(150, 200, dtype=dtype)
-
-    def dx(idx):
-        i = idx.long()
-        xi = x[i].clone().requires_grad_(True)
-        w = w0.clone().requires_grad_(wgrad)
-        if fused:
-            y, s = rms_norm(xi, w, EPS, res[i], backend=B)
-            torch.autograd.backward([y, s], [gy[i], gs[i]])
-        else:
-            rms_norm(xi, w, EPS, backend=B).backward(gy[i])
-        return xi.grad
-
+    dx = dx_rows(B, x, w0, res, gy, gs, fused=fused, wgrad=wgrad)
     check_row_invariance(
         dx, torch.arange(150.0, device=DEVICE), counts=COUNTS, what=f"dX {fused=} {wgrad=}"
     )
@@ -199,34 +171,30 @@ def test_rms_norm_fused_equals_unfused(dtype, grad_s):
     x0, r0 = _rand(67, 72, dtype=dtype), _rand(67, 72, dtype=dtype)
     w0 = _rand(72, dtype=dtype)
     gy, gs = _rand(67, 72, dtype=dtype), _rand(67, 72, dtype=dtype)
+    check_fused_equals_unfused(B, x0, r0, w0, gy, gs, grad_s=grad_s)
 
-    def run(fused):
-        x, r, w = (t.clone().requires_grad_(True) for t in (x0, r0, w0))
-        if fused:
-            y, s = rms_norm(x, w, EPS, r, backend=B)
-        else:
-            s = x + r
-            y = rms_norm(s, w, EPS, backend=B)
-        outs, grads = ([y, s], [gy, gs]) if grad_s else ([y], [gy])
-        torch.autograd.backward(outs, grads)
-        return y, s, x.grad, r.grad, w.grad
 
-    for a, b, name in zip(run(True), run(False), ["y", "s", "dx", "dresidual", "dweight"]):
-        assert_bitwise(a, b, f"fused vs unfused {name}")
+def _wgrad_rows_and_pads(h: int) -> tuple[int, tuple[int, ...]]:
+    """Row count (several weight-gradient partials at H = 2048) and the zero-row paddings
+    around one chunk of the zero-padding tests."""
+    chunk = rms_triton.get_config(h).wgrad_chunk
+    return (chunk + 7 if h == 2048 else 50), (1, chunk - 7, chunk + 3)
+
+
+def _zero_padded(pad: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.cat([t, torch.zeros(pad, t.shape[1], device=DEVICE)]) for t in ts]
 
 
 @needs_triton
 @pytest.mark.parametrize("h", [24, 2048])
 def test_rms_norm_wgrad_chunks_and_zero_padding(h):
     """Several weight-gradient partials (row count > chunk), appended zero rows, 3-d input."""
-    chunk = rms_triton.get_config(h).wgrad_chunk
-    m = chunk + 7 if h == 2048 else 50
+    m, pads = _wgrad_rows_and_pads(h)
     x, g = _rand(m, h, dtype=torch.float32), _rand(m, h, dtype=torch.float32)
     base = rms_triton.rms_norm_wgrad(g, x, EPS)
     assert_bitwise(rms_triton.rms_norm_wgrad(g, x, EPS), base, "dW run-to-run")
-    for pad in (1, chunk - 7, chunk + 3):
-        z = torch.zeros(pad, h, device=DEVICE)
-        got = rms_triton.rms_norm_wgrad(torch.cat([g, z]), torch.cat([x, z]), EPS)
+    for pad in pads:
+        got = rms_triton.rms_norm_wgrad(*_zero_padded(pad, g, x), EPS)
         assert_bitwise(got, base, f"dW with {pad} zero rows")
     if m % 2 == 0:
         x3, g3 = x.reshape(2, m // 2, h), g.reshape(2, m // 2, h)
@@ -345,17 +313,15 @@ def test_rms_norm_fused_backward_numerics(dtype):
 @pytest.mark.parametrize("h", [24, 2048])
 def test_rms_norm_fused_backward_zero_padding(h):
     """Appended zero rows: dW bitwise unchanged, dx of the real rows unchanged, zero dx rows."""
-    chunk = rms_triton.get_config(h).wgrad_chunk
-    m = chunk + 7 if h == 2048 else 50
+    m, pads = _wgrad_rows_and_pads(h)
     x, gy = _rand(m, h, dtype=torch.float32), _rand(m, h, dtype=torch.float32)
     w = _rand(h, dtype=torch.float32)
     dx, dw = rms_triton.rms_norm_backward(gy, x, w, EPS)
     again = rms_triton.rms_norm_backward(gy, x, w, EPS)
     assert_bitwise(again[0], dx, "dx run-to-run")
     assert_bitwise(again[1], dw, "dW run-to-run")
-    for pad in (1, chunk - 7, chunk + 3):
-        z = torch.zeros(pad, h, device=DEVICE)
-        dxp, dwp = rms_triton.rms_norm_backward(torch.cat([gy, z]), torch.cat([x, z]), w, EPS)
+    for pad in pads:
+        dxp, dwp = rms_triton.rms_norm_backward(*_zero_padded(pad, gy, x), w, EPS)
         assert_bitwise(dwp, dw, f"dW with {pad} zero rows")
         assert_bitwise(dxp[:m], dx, f"dx with {pad} zero rows")
         assert not dxp[m:].any()
