@@ -6,8 +6,12 @@ that the audit mode can measure the "before" picture; strict mode refuses it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rl_engine.ops._common import signature_of
+from rl_engine.ops.rms_norm import reference
 from rl_engine.ops.rms_norm.reference import with_residual
 
 
@@ -20,14 +24,10 @@ def _norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * _rstd(x32, eps) * weight.float()).to(r.dtype)
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face style RMSNorm with stock torch reductions."""
-    return with_residual(_norm, x, weight, eps, residual)
+@signature_of(reference.rms_norm)
+def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face style RMSNorm with stock torch reductions (the reference's arguments)."""
+    return with_residual(_norm, *args)
 
 
 def rms_norm_dx(
