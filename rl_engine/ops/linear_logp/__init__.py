@@ -8,9 +8,17 @@ for the backward and is not differentiable) and ``rl_engine::linear_logp_backwar
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import (
+    check_tensor,
+    entry_arguments,
+    provider_op,
+    register_op,
+    register_triton,
+)
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
 from rl_engine.registry import resolve_provider
@@ -96,22 +104,6 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
 _linear_logp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _entry(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    *,
-    provider: str,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    reference._check(hidden, weight, tokens, temperature, return_entropy)
-    lp, ent, _ = _linear_logp_op(
-        hidden, weight, tokens, float(temperature), return_entropy, provider
-    )
-    return (lp, ent) if return_entropy else lp
-
-
 def linear_logp(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -145,6 +137,21 @@ def linear_logp(
     temperature = as_temperature(temperature)
     provider = resolve_provider("linear_logp", hidden.device.type, backend)
     return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
+
+
+_entry_arguments = entry_arguments(linear_logp)
+
+
+def _entry(
+    *args: Any, provider: str, **kwargs: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The op through ``provider``, called as :func:`linear_logp` (but ``backend``)."""
+    hidden, weight, tokens, temperature, return_entropy = _entry_arguments(*args, **kwargs).values()
+    reference._check(hidden, weight, tokens, temperature, return_entropy)
+    lp, ent, _ = _linear_logp_op(
+        hidden, weight, tokens, float(temperature), return_entropy, provider
+    )
+    return (lp, ent) if return_entropy else lp
 
 
 register_op(

@@ -7,22 +7,23 @@ Registered so that the audit mode can measure the "before" picture; strict mode 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rl_engine.ops._common import signature_of
 from rl_engine.ops.entropy import stock as entropy_stock
+from rl_engine.ops.linear_logp import reference
 from rl_engine.ops.linear_logp.reference import _check
 from rl_engine.ops.logp import stock as logp_stock
 from rl_engine.ops.logp.reference import check_token_range
 
 
-def linear_logp_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    return_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)`` fp32 [T] (``entropy`` empty unless ``return_entropy``)."""
+@signature_of(reference.linear_logp_forward)
+def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)`` fp32 [T] (``entropy`` empty unless ``return_entropy``); the
+    arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`."""
+    hidden, weight, tokens, temperature, return_entropy = args
     _check(hidden, weight, tokens, temperature, return_entropy)
     check_token_range(tokens, weight.shape[0])
     logits = torch.mm(hidden, weight.t())
@@ -34,19 +35,12 @@ def linear_logp_forward(
     return lp, ent, lse
 
 
-def linear_logp_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    need_dhidden: bool,
-    need_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dhidden, dweight)`` through materialised fp32 logits gradients and torch.mm."""
+@signature_of(reference.linear_logp_backward)
+def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dhidden, dweight)`` through materialised fp32 logits gradients and torch.mm; the
+    arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_backward`."""
+    hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
+    need_dhidden, need_dweight = args[8:]
     logits = torch.mm(hidden, weight.t())
     d = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     if grad_logp is not None:
@@ -58,13 +52,10 @@ def linear_logp_backward(
     return dh, dw
 
 
-def linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Stock ``log_softmax(hidden @ weight.t() / temperature)[tokens]`` (fp32 [T])."""
-    lp, ent, _ = linear_logp_forward(hidden, weight, tokens, temperature, return_entropy)
+@signature_of(reference.linear_logp)
+def linear_logp(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Stock ``log_softmax(hidden @ weight.t() / temperature)[tokens]`` (fp32 [T]); the
+    arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp`."""
+    lp, ent, _ = linear_logp_forward(*args)
+    return_entropy = args[4]
     return (lp, ent) if return_entropy else lp

@@ -43,9 +43,12 @@ models or Triton versions. On the CPU the kernels run in the Triton interpreter
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops.det_gemm import config as _gemm_config
 from rl_engine.ops.det_gemm import triton as _gemm
 from rl_engine.ops.linear_logp import reference
@@ -80,14 +83,13 @@ def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _gemm.det_gemm_with_config(h, w.t(), None, cfg)
 
 
-def linear_logp_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    return_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``."""
+@signature_of(reference.linear_logp_forward)
+def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``.
+
+    Takes the arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`.
+    """
+    hidden, weight, tokens, temperature, return_entropy = args
     reference._check(hidden, weight, tokens, temperature, return_entropy)
     _vocab.check_device(hidden, "linear_logp")
     check_token_range(tokens, weight.shape[0])
@@ -116,23 +118,16 @@ def linear_logp_forward(
     return out_lp, out_ent, out_lse
 
 
-def linear_logp_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    need_dhidden: bool,
-    need_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.linear_logp_backward)
+def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight)`` in the inputs' dtypes (empty [0] where not needed).
 
+    Takes the arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_backward`:
     ``grad_logp`` / ``grad_entropy`` are the upstream gradients [T] (``None``: zero);
     ``entropy`` is the forward's entropy (used only with ``grad_entropy``).
     """
+    hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
+    need_dhidden, need_dweight = args[8:]
     _vocab.check_device(hidden, "linear_logp")
     if BWD_TOKEN_CHUNK <= 0 or VOCAB_SLICE <= 0:
         raise ValueError(
@@ -192,13 +187,8 @@ def linear_logp_backward(
     return dh, (dw if dw is not None else weight.new_empty(0))
 
 
-def linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.linear_logp)
+def linear_logp(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LM-head token log-probabilities in Triton without materialising the logits.
 
     Bitwise equal to ``logp(det_gemm(hidden, weight.t()), tokens, temperature)`` (and the
@@ -215,7 +205,8 @@ def linear_logp(
     Returns:
         ``logp`` fp32 [T], or ``(logp, entropy)`` when ``return_entropy``.
     """
-    lp, ent, _ = linear_logp_forward(hidden, weight, tokens, temperature, return_entropy)
+    lp, ent, _ = linear_logp_forward(*args)
+    return_entropy = args[4]
     return (lp, ent) if return_entropy else lp
 
 
