@@ -15,11 +15,9 @@ import torch
 
 from rl_engine.ops._common import check_float, check_tensor
 from rl_engine.ops.logp.reference import (
-    VOCAB_TILE,
     VocabLogSumExp,
     check_temperature,
-    dz_tile,
-    scale,
+    dlogits,
     temperature_tensor,
 )
 
@@ -52,14 +50,7 @@ def entropy_backward(
     grad: torch.Tensor,
 ) -> torch.Tensor:
     """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype`` [T, V]."""
-    temp = temperature_tensor(temperature, logits.device)
-    out = torch.empty_like(logits)
-    g = grad.float()
-    for c0 in range(0, logits.shape[1], VOCAB_TILE):
-        z = scale(logits[:, c0 : c0 + VOCAB_TILE], temp)
-        dz = dz_tile(z, lse, col0=c0, entropy=entropy, grad_entropy=g)
-        out[:, c0 : c0 + VOCAB_TILE] = (dz / temp).to(logits.dtype)
-    return out
+    return dlogits(logits, temperature, lse, entropy=entropy, grad_entropy=grad.float())
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

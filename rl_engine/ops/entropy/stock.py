@@ -5,8 +5,12 @@ Not batch invariant (reduction order chosen by the framework). Audit mode only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rl_engine.ops._common import signature_of
+from rl_engine.ops.entropy import reference
 from rl_engine.ops.entropy.reference import _check
 
 
@@ -19,14 +23,10 @@ def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Ten
     return lse - (p * z).sum(-1), lse
 
 
-def entropy_backward(
-    logits: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad: torch.Tensor,
-) -> torch.Tensor:
+@signature_of(reference.entropy_backward)
+def entropy_backward(*args: Any) -> torch.Tensor:
     """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype``."""
+    logits, temperature, lse, entropy, grad = args
     z = logits.float() / temperature
     p = torch.exp(z - lse[:, None])
     d = -p * (z - lse[:, None] + entropy[:, None])

@@ -11,9 +11,12 @@ promised: identity with the ``native`` family, across GPU models or Triton versi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops.entropy import reference
 from rl_engine.ops.logp.triton import (
     NUMERICS,
@@ -34,14 +37,10 @@ def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Ten
     return ent, lse
 
 
-def entropy_backward(
-    logits: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad: torch.Tensor,
-) -> torch.Tensor:
+@signature_of(reference.entropy_backward)
+def entropy_backward(*args: Any) -> torch.Tensor:
     """``grad * (-p * (z - lse + entropy)) / temperature`` in ``logits.dtype`` [T, V]."""
+    logits, temperature, lse, entropy, grad = args
     check_device(logits, "entropy")
     return vocab_backward(
         logits,

@@ -224,6 +224,21 @@ def dz_tile(
     return dz
 
 
+def dlogits(
+    logits: torch.Tensor, temperature: float, lse: torch.Tensor, **terms: torch.Tensor
+) -> torch.Tensor:
+    """``dz / temperature`` [T, V] in ``logits.dtype`` (one rounding), tile by tile: the backward
+    of ``logp`` and ``entropy``, ``dz`` being :func:`dz_tile` of each ``VOCAB_TILE`` columns with
+    the upstream ``terms`` (``tokens`` and ``grad_logp``, or ``entropy`` and ``grad_entropy``)."""
+    temp = temperature_tensor(temperature, logits.device)
+    out = torch.empty_like(logits)
+    for c0 in range(0, logits.shape[1], VOCAB_TILE):
+        z = scale(logits[:, c0 : c0 + VOCAB_TILE], temp)
+        dz = dz_tile(z, lse, col0=c0, **terms)
+        out[:, c0 : c0 + VOCAB_TILE] = (dz / temp).to(logits.dtype)
+    return out
+
+
 # ---------------------------------------------------------------------------- logp
 def logp_forward(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float
@@ -250,15 +265,7 @@ def logp_backward(
 
     Returns [T, V] in ``logits.dtype`` (one rounding of the fp32 value).
     """
-    temp = temperature_tensor(temperature, logits.device)
-    out = torch.empty_like(logits)
-    tok = tokens.long()
-    g = grad.float()
-    for c0 in range(0, logits.shape[1], VOCAB_TILE):
-        z = scale(logits[:, c0 : c0 + VOCAB_TILE], temp)
-        dz = dz_tile(z, lse, col0=c0, tokens=tok, grad_logp=g)
-        out[:, c0 : c0 + VOCAB_TILE] = (dz / temp).to(logits.dtype)
-    return out
+    return dlogits(logits, temperature, lse, tokens=tokens.long(), grad_logp=grad.float())
 
 
 def check_row_temperatures(logits: torch.Tensor, temperatures: Any) -> None:

@@ -7,8 +7,12 @@ refuses it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rl_engine.ops._common import signature_of
+from rl_engine.ops.logp import reference
 from rl_engine.ops.logp.reference import _check, check_row_temperatures, check_token_range
 
 
@@ -23,14 +27,10 @@ def logp_forward(
     return z.gather(1, tokens.long()[:, None])[:, 0] - lse, lse
 
 
-def logp_backward(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    grad: torch.Tensor,
-) -> torch.Tensor:
+@signature_of(reference.logp_backward)
+def logp_backward(*args: Any) -> torch.Tensor:
     """``grad * (onehot - softmax(z)) / temperature`` in ``logits.dtype``."""
+    logits, tokens, temperature, lse, grad = args
     z = logits.float() / temperature
     d = -torch.exp(z - lse[:, None])
     d.scatter_add_(1, tokens.long()[:, None], torch.ones_like(d[:, :1]))

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.logp import reference
 
@@ -474,14 +475,10 @@ def sampled_forward(
     return lp, lse, rank
 
 
-def logp_backward(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    grad: torch.Tensor,
-) -> torch.Tensor:
+@signature_of(reference.logp_backward)
+def logp_backward(*args: Any) -> torch.Tensor:
     """``grad * (onehot - softmax(z)) / temperature`` in ``logits.dtype`` [T, V]."""
+    logits, tokens, temperature, lse, grad = args
     check_device(logits, "logp")
     return vocab_backward(
         logits, temperature, lse.float().contiguous(), tokens=tokens, grad_logp=grad
