@@ -87,6 +87,19 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
+    def _dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """``acc`` + ``a @ b``: the operands in fp32 first when ``UPCAST``, IEEE fp32 products
+        when ``IEEE`` (else the dot's default precision)."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _k_step(
         acc, a_ptr, b_ptr, ram, rbn, rk, kt, K,
         stride_am, stride_ak, stride_bk, stride_bn,
@@ -102,14 +115,7 @@ if triton is not None:
         else:
             a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
             b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        return acc
+        return _dot_acc(a, b, acc, UPCAST, IEEE)
 
     @triton.jit
     def _k_steps(
@@ -434,13 +440,7 @@ if triton is not None:
                     mask=t[:, None] < T,
                     other=0.0,
                 )
-                if UPCAST:
-                    a_t = a_t.to(tl.float32)
-                    g = g.to(tl.float32)
-                if IEEE:
-                    part = tl.dot(a_t, g, part, input_precision="ieee")
-                else:
-                    part = tl.dot(a_t, g, part)
+                part = _dot_acc(a_t, g, part, UPCAST, IEEE)
             total = total + part
         o_ptrs = out_ptr + split * stride_os + ro[:, None] * stride_ok + rn[None, :] * stride_on
         tl.store(o_ptrs, total, mask=(ro[:, None] < KO) & (rn[None, :] < N))
