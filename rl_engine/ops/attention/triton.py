@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.attention import reference
 
@@ -874,20 +875,14 @@ def _split_tiles(head_dim: int, split: bool) -> int:
     return SPLIT_POSITIONS // get_config(head_dim).block_n if split else 0
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float | None = None,
-    causal: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.attention)
+def attention(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen prefill (Triton). Same contract as :func:`reference.attention`; returns (out, lse).
 
     ``cu_seqlens`` is trusted (not read back on the host): it must start at 0, be
     non-decreasing and end at ``T``.
     """
-    return _attention(q, k, v, cu_seqlens, scale, causal, split=False)
+    return _attention(*args, split=False)
 
 
 def _attention(q, k, v, cu_seqlens, scale=None, causal=True, *, split: bool):
@@ -903,20 +898,13 @@ def _attention(q, k, v, cu_seqlens, scale=None, causal=True, *, split: bool):
     return out, lse
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
+@signature_of(reference.paged_attention)
+def paged_attention(*args: Any) -> torch.Tensor:
     """Paged prefill / decode (Triton): the prefill kernel with ``PAGED=True``.
 
     The metadata (offsets, lengths, block ids) is trusted (not read back on the host).
     """
-    return _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, split=False)
+    return _paged(*args, split=False)
 
 
 def _paged(
@@ -948,18 +936,10 @@ def _paged(
     return out
 
 
-def paged_attention_out(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float | None,
-    out: torch.Tensor,
-) -> None:
+@signature_of(reference.paged_attention_out)
+def paged_attention_out(*args: Any) -> None:
     """:func:`paged_attention` written into ``out`` (the sequences' rows; padding untouched)."""
-    _paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, split=False)
+    _paged(*args, split=False)
 
 
 def write_kv_cache(
