@@ -15,8 +15,8 @@ import torch
 from rl_engine import KernelRegistry
 from rl_engine.ops import attention, paged_attention, write_kv_cache
 from rl_engine.testing.invariance import assert_bitwise
+from tests.ops.attention_cases import provider_cases, skip_unless_runnable
 
-HAS_CUDA = torch.cuda.is_available()
 HQ, HKV, D = 4, 2, 16  # GQA, small head dim: the invariance does not depend on sizes
 
 
@@ -24,37 +24,20 @@ HQ, HKV, D = 4, 2, 16  # GQA, small head dim: the invariance does not depend on 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def _cases() -> list:
-    devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-    out = []
-    for dev in devices:
-        marks = [pytest.mark.gpu] if dev == "cuda" else []
-        for p in KernelRegistry.providers("attention", dev):
-            if not p.invariant:
-                continue
-            if dev == "cuda":
-                dts = [torch.bfloat16, torch.float32]
-            elif p.name == "triton_split":  # interpreter time: its fp32 cases only
-                dts = [torch.float32]
-            elif p.name.startswith("triton"):  # interpreter: fp32 / fp16 (bf16 tl.dot wrong)
-                dts = [torch.float32, torch.float16]
-            else:
-                dts = [torch.float32, torch.bfloat16]
-            for dt in dts:
-                name = str(dt).removeprefix("torch.")
-                out.append(
-                    pytest.param((dev, p.name, dt), id=f"{dev}-{p.name}-{name}", marks=marks)
-                )
-    return out
+def _dtypes(provider: str, device: str) -> list[torch.dtype]:
+    if device == "cuda":
+        return [torch.bfloat16, torch.float32]
+    if provider == "triton_split":  # interpreter time: its fp32 cases only
+        return [torch.float32]
+    if provider.startswith("triton"):  # interpreter: fp32 / fp16 (bf16 tl.dot wrong)
+        return [torch.float32, torch.float16]
+    return [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=_cases())
+@pytest.fixture(params=provider_cases(_dtypes))
 def case(request, monkeypatch):
     device, backend, dtype = request.param
-    try:
-        KernelRegistry.get_op("attention", device=device, backend=backend)
-    except Exception as exc:
-        pytest.skip(str(exc))
+    skip_unless_runnable(device, backend)
     if backend == "triton_split":
         # splits of 128 positions (2 tiles): the short sequences here cross several split
         # boundaries (the shipped 512 is crossed by the 1030-token case only)

@@ -17,9 +17,7 @@ from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import attention, paged_attention, write_kv_cache
 from rl_engine.testing.invariance import assert_bitwise
 from rl_engine.testing.tolerances import assert_close, tolerance
-
-HAS_CUDA = torch.cuda.is_available()
-
+from tests.ops.attention_cases import HAS_CUDA, provider_cases, skip_unless_runnable
 
 # many small elementwise ops: one intra-op thread (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -33,30 +31,17 @@ def _dtypes(provider: str, device: str) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16]
 
 
-def _cases() -> list:
-    devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-    out = []
-    for dev in devices:
-        marks = [pytest.mark.gpu] if dev == "cuda" else []
-        for p in KernelRegistry.providers("attention", dev):
-            if not p.invariant:
-                continue
-            for dt in _dtypes(p.name, dev):
-                name = str(dt).removeprefix("torch.")
-                out.append(
-                    pytest.param((dev, p.name, dt), id=f"{dev}-{p.name}-{name}", marks=marks)
-                )
-    return out
-
-
-@pytest.fixture(params=_cases())
+@pytest.fixture(params=provider_cases(_dtypes))
 def case(request):
     device, backend, dtype = request.param
-    try:
-        KernelRegistry.get_op("attention", device=device, backend=backend)
-    except Exception as exc:  # registered but not runnable here (triton without interpreter)
-        pytest.skip(str(exc))
+    skip_unless_runnable(device, backend)  # registered but not runnable here
     return device, backend, dtype
+
+
+@pytest.fixture
+def triton_on_cpu():
+    """Skip unless the triton provider runs on the CPU here (the interpreter)."""
+    skip_unless_runnable("cpu", "triton", BackendUnavailableError)
 
 
 def _rand(shape, dtype, device, gen):
@@ -235,18 +220,27 @@ def test_write_kv_cache_slot_out_of_range_is_refused(case):
     assert not kc.any() and not vc.any()
 
 
-def test_paged_attention_into_out(case):
-    """``out=``: the sequences' rows written in place with the returned tensor's bits; padding
-    rows after query_start_loc[-1] untouched; a mismatched ``out`` refused."""
+def _ten_token_cache(case, seed):
+    """One sequence of 10 tokens (2 query heads, 1 KV head, D = 32) and its keys / values
+    written to a cache of two blocks of 16: ``(q, k, v, cu, k_cache, v_cache, block_table,
+    seq_lens)``."""
     device, backend, dtype = case
-    q, k, v, cu = _inputs([10], 2, 1, 32, dtype, device, seed=12)
+    q, k, v, cu = _inputs([10], 2, 1, 32, dtype, device, seed=seed)
     kc = torch.zeros(2, 16, 1, 32, dtype=dtype, device=device)
     vc = torch.zeros_like(kc)
     write_kv_cache(k, v, kc, vc, torch.arange(10, device=device), backend=backend)
     bt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    sl = torch.tensor([10], dtype=torch.int32, device=device)
+    return q, k, v, cu, kc, vc, bt, sl
+
+
+def test_paged_attention_into_out(case):
+    """``out=``: the sequences' rows written in place with the returned tensor's bits; padding
+    rows after query_start_loc[-1] untouched; a mismatched ``out`` refused."""
+    device, backend, dtype = case
+    q, _, _, _, kc, vc, bt, sl = _ten_token_cache(case, seed=12)
     qp = torch.cat([q[7:], torch.randn(2, 2, 32).to(device, dtype)])  # 3 tokens + 2 padding
     qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
-    sl = torch.tensor([10], dtype=torch.int32, device=device)
     want = paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend)
     out = torch.full_like(qp, 7.0)
     got = paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend, out=out)
@@ -264,14 +258,9 @@ def test_paged_attention_into_out(case):
 def test_paged_padding_tokens_are_zero(case):
     """Tokens after query_start_loc[-1] (CUDA-graph padding) are ignored and left zero."""
     device, backend, dtype = case
-    q, k, v, cu = _inputs([10], 2, 1, 32, dtype, device, seed=11)
-    kc = torch.zeros(2, 16, 1, 32, dtype=dtype, device=device)
-    vc = torch.zeros_like(kc)
-    write_kv_cache(k, v, kc, vc, torch.arange(10, device=device), backend=backend)
-    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    q, k, v, cu, kc, vc, bt, sl = _ten_token_cache(case, seed=11)
     qp = torch.cat([q[9:], torch.randn(3, 2, 32).to(device, dtype)])
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    sl = torch.tensor([10], dtype=torch.int32, device=device)
     out = paged_attention(qp, kc, vc, bt, sl, qsl, backend=backend)
     assert_bitwise(out[:1], attention(q, k, v, cu, backend=backend)[9:], "decode row")
     assert bool((out[1:] == 0).all())
@@ -279,6 +268,9 @@ def test_paged_padding_tokens_are_zero(case):
 
 def test_compile_matches_eager(case):
     device, backend, dtype = case
+    # the lambda's code object is the same in every case: without a reset its guard cache grows
+    # per (backend, dtype) and the ninth case in a process hits dynamo's recompile limit
+    torch._dynamo.reset()
     q, k, v, cu = _inputs([9, 4], 2, 1, 32, dtype, device, seed=12)
     f = torch.compile(
         lambda a, b, c: attention(a, b, c, cu, backend=backend), fullgraph=True, backend="eager"
@@ -468,21 +460,13 @@ def test_triton_unavailable_without_interpreter():
         attention(q, k, v, cu, backend="triton")
 
 
-def test_triton_unsupported_head_dim():
-    try:
-        KernelRegistry.get_op("attention", device="cpu", backend="triton")
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
+def test_triton_unsupported_head_dim(triton_on_cpu):
     q, k, v, cu = _inputs([5], 2, 1, 40, torch.float32, "cpu")
     with pytest.raises(ValueError, match="head_dim 40 is not supported"):
         attention(q, k, v, cu, backend="triton")
 
 
-def test_triton_interpreter_refuses_bf16():
-    try:
-        KernelRegistry.get_op("attention", device="cpu", backend="triton")
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
+def test_triton_interpreter_refuses_bf16(triton_on_cpu):
     q, k, v, cu = _inputs([5], 2, 1, 32, torch.bfloat16, "cpu")
     with pytest.raises(TypeError, match="bfloat16 is not supported in the Triton interpreter"):
         attention(q, k, v, cu, backend="triton")
