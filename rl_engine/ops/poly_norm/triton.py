@@ -32,9 +32,12 @@ run of 2026-11-26 found ``fused_mul_poly_norm`` 1-2 ulps off ``poly_norm(x) * mu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.poly_norm import reference
 
@@ -265,22 +268,18 @@ def _launch_fwd(x, weight, bias, eps, mul):
     return y.reshape(x.shape)
 
 
-def poly_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
+@signature_of(reference.poly_norm)
+def poly_norm(*args: Any) -> torch.Tensor:
     """Batch-invariant PolyNorm in Triton (module docstring); same contract as the reference."""
+    x, weight, bias, eps = args
     reference._check(x, weight, bias, eps)
     return _launch_fwd(x, weight, bias, eps, None)
 
 
-def fused_mul_poly_norm(
-    x: torch.Tensor,
-    mul: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float = 1e-6,
-) -> torch.Tensor:
+@signature_of(reference.fused_mul_poly_norm)
+def fused_mul_poly_norm(*args: Any) -> torch.Tensor:
     """``poly_norm(x) * mul`` in one pass (bitwise the unfused composition)."""
+    x, mul, weight, bias, eps = args
     reference._check(x, weight, bias, eps, mul)
     return _launch_fwd(x, weight, bias, eps, mul)
 
@@ -303,15 +302,12 @@ def sum_rows(part: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@signature_of(reference.poly_norm_backward)
 def poly_norm_backward(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    mul: torch.Tensor | None = None,
+    *args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(dx, dmul, dweight, dbias)`` as :func:`reference.poly_norm_backward`."""
+    grad, x, weight, bias, eps, mul = args
     _tr.check_device("poly_norm", x)
     h = x.shape[-1]
     x2, g2 = _rows(x), _rows(grad.to(x.dtype))
