@@ -221,20 +221,21 @@ def plot(rows: list[dict], path: Path) -> None:
     common.save_figure(path, draw, ncols=2, figsize=(11, 4))
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_attention")
-    if started is None:
-        return
-    args, limits = started
+def run(args, copy_tb_s: float) -> list[dict]:
+    """Prefill rows (one batch with ``--quick``), the decode row, then the split family's
+    prefill and decode rows (KV splits fixed in positions: split-KV decode, same bits as its
+    prefill)."""
     rows = [prefill(args, b) for b in (PREFILL_BATCHES[:1] if args.quick else PREFILL_BATCHES)]
-    rows.append(decode(args, limits["copy_tb_s"]))
-    pre = rows[0]
-    dec = rows[-1]
-    # the split family (KV splits fixed in positions: split-KV decode, same bits as its prefill)
+    rows.append(decode(args, copy_tb_s))
     rows.append(prefill(args, PREFILL_BATCHES[0], "triton_split"))
-    rows.append(decode(args, limits["copy_tb_s"], "triton_split"))
+    rows.append(decode(args, copy_tb_s, "triton_split"))
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    pre, dec = rows[0], rows[-3]  # the first triton prefill row, the triton decode row
     pre_s, dec_s = rows[-2], rows[-1]
-    summary = {
+    return {
         "prefill_fwd_ratio_vs_sdpa": pre["fwd_ratio_vs_sdpa"],
         "prefill_fwd_bwd_ratio_vs_sdpa": pre["fwd_bwd_ratio_vs_sdpa"],
         "prefill_fwd_tflop_s": pre["fwd_tflop_s"],
@@ -246,8 +247,11 @@ def main() -> None:
         "split_decode_kv_bw_frac": dec_s["kv_bw_frac"],
         "split_decode_equals_prefill": dec_s["decode_equals_prefill"],
     }
-    common.finish_op(
-        args, limits, "attention", summary=summary, rows=rows, plot=plot, digits=None,
+
+
+def main() -> None:
+    common.op_main(
+        __doc__, "bench_attention", "attention", run, summarize, plot=plot, digits=None,
         provider="triton (and triton_split rows)",
         baseline="torch SDPA flash (prefill); SDPA flash/efficient over contiguous KV (decode)",
         ratio="baseline_us / ours_us (higher is better)",

@@ -250,9 +250,8 @@ def _plot(out: Path, loss_rows: list[dict[str, Any]], head_rows: list[dict[str, 
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_grpo_loss: needs a CUDA device; nothing measured")
+    args = common.cuda_args(__doc__, "bench_grpo_loss: needs a CUDA device; nothing measured")
+    if args is None:
         return
     try:
         copy_tb_s = common.load_or_measure_limits(args.out, quick=args.quick).get("copy_tb_s")

@@ -192,12 +192,12 @@ def profile(n: int = 2000) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(
-        __doc__.splitlines()[0],
+    args = common.cuda_args(
+        __doc__,
+        "bench_host: no CUDA device; nothing to measure",
         lambda p: p.add_argument("--profile", action="store_true", help="cProfile, then exit"),
     )
-    if not torch.cuda.is_available():
-        print("bench_host: no CUDA device; nothing to measure")
+    if args is None:
         return
     if args.profile:
         profile()

@@ -9,17 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_limits: no CUDA device; nothing to measure")
+    args = common.cuda_args(__doc__, "bench_limits: no CUDA device; nothing to measure")
+    if args is None:
         return
     limits = common.measure_limits(quick=args.quick)
     common.write_json(args.out, "limits", {"limits": limits})

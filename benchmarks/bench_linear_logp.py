@@ -167,9 +167,8 @@ def _plot(out: Path, rows: list[dict[str, Any]], t: int) -> None:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("bench_linear_logp: needs a CUDA device; nothing measured")
+    args = common.cuda_args(__doc__, "bench_linear_logp: needs a CUDA device; nothing measured")
+    if args is None:
         return
     t = T_TOKENS
     rows = _rows(t, args.quick)

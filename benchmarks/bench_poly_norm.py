@@ -128,12 +128,7 @@ def plot(rows: list[dict], path: Path) -> None:
     common.bw_panels(path, panels, group="h", target=lambda k: 0.85)
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_poly_norm")
-    if started is None:
-        return
-    args, limits = started
-    rows = run(args, limits["copy_tb_s"])
+def summarize(rows: list[dict]) -> dict:
     big = [r for r in rows if r["m"] >= 4096]
     summary = {
         f"{k}_bw_frac_large_rows{'_fused' if f else ''}": common.geomean(
@@ -144,8 +139,12 @@ def main() -> None:
     }
     summary.update(common.geomeans(rows, geomean_fwd_vs_compiled="fwd_ratio_vs_compiled",
                                    geomean_bwd_vs_compiled="bwd_ratio_vs_compiled"))  # fmt: skip
-    common.finish_op(
-        args, limits, "poly_norm", summary=summary, rows=rows, plot=plot,
+    return summary
+
+
+def main() -> None:
+    common.op_main(
+        __doc__, "bench_poly_norm", "poly_norm", run, summarize, plot=plot,
         baseline="torch.compile of the fp32 PolyNorm formula (+ its autograd)",
         ratio="compiled_us / triton_us (higher is better)",
         bw="minimum bytes / time / measured copy bandwidth", target_bw_frac=0.85,

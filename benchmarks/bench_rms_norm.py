@@ -131,14 +131,9 @@ def plot(rows: list[dict], path: Path) -> None:
                      target=lambda k: 0.75 if "bwd" in k else 0.9)  # fmt: skip
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_rms_norm")
-    if started is None:
-        return
-    args, limits = started
-    rows = run(args, limits["copy_tb_s"])
+def summarize(rows: list[dict]) -> dict:
     acc = next(r for r in rows if (r["m"], r["h"]) == ACCEPT)
-    summary = {
+    return {
         "accept_fwd_bw_frac": acc["fwd_bw_frac"],
         "accept_fused_fwd_bw_frac": acc["fused_fwd_bw_frac"],
         "accept_bwd_bw_frac": acc["bwd_bw_frac"],
@@ -150,8 +145,11 @@ def main() -> None:
                           geomean_bwd_vs_stock="bwd_ratio_vs_stock",
                           geomean_fused_bwd_vs_stock="fused_bwd_ratio_vs_stock"),
     }  # fmt: skip
-    common.finish_op(
-        args, limits, "rms_norm", summary=summary, rows=rows, plot=plot,
+
+
+def main() -> None:
+    common.op_main(
+        __doc__, "bench_rms_norm", "rms_norm", run, summarize, plot=plot,
         baseline="torch.nn.functional.rms_norm (+ autograd for backward)",
         ratio="stock_us / triton_us (higher is better)",
         bw="minimum bytes of the op / time / measured copy bandwidth",

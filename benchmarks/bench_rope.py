@@ -150,15 +150,9 @@ def plot(rows: list[dict], path: Path) -> None:
     common.save_figure(path, draw)
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_rope")
-    if started is None:
-        return
-    args, limits = started
-    rows = run(args, limits["copy_tb_s"])
-    qk_rows = run_qk(args)
+def summarize(rows: list[dict], qk_rows: list[dict]) -> dict:
     big = [r for r in rows if r["tokens"] >= 4096]
-    summary = {
+    return {
         "bw_frac_large": common.geomean([r["bw_frac"] for r in big]),
         "geomean_vs_stock": common.geomean([r["ratio_vs_stock"] for r in rows]),
         "geomean_vs_native": common.geomean([r["ratio_vs_native"] for r in rows]),
@@ -167,8 +161,12 @@ def main() -> None:
             r["tokens"]: round(r["speedup_vs_two_launches"], 3) for r in qk_rows
         },
     }
-    common.finish_op(
-        args, limits, "rope", summary=summary, rows=rows, plot=plot, digits=None,
+
+
+def main() -> None:
+    common.op_main(
+        __doc__, "bench_rope", "rope", run, summarize, plot=plot, digits=None,
+        more=lambda args: {"qk_rows": run_qk(args)},
         baseline="rl_engine rope stock provider (torch cos/sin + rotation)",
         ratio="baseline_us / triton_us (higher is better)",
         bw="bytes moved / time / measured copy bandwidth",
@@ -176,7 +174,6 @@ def main() -> None:
         "launches vs one rope_qk launch; CUDA-graph replay over cold copies (GPU time per "
         "layer; the stock provider builds its tables on the host, so it is not "
         "graph-capturable and is compared in rows instead)",
-        qk_rows=qk_rows,
     )  # fmt: skip
 
 

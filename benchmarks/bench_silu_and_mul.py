@@ -74,21 +74,19 @@ def plot(rows: list[dict], path: Path) -> None:
     common.bw_panels(path, panels, group="d")
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_silu_and_mul")
-    if started is None:
-        return
-    args, limits = started
-    rows = run(args, limits["copy_tb_s"])
+def summarize(rows: list[dict]) -> dict:
     big = [r for r in rows if r["m"] >= 4096]
-    summary = {
+    return {
         **common.geomeans(big, fwd_bw_frac_large_rows="fwd_bw_frac",
                           bwd_bw_frac_large_rows="bwd_bw_frac"),
         **common.geomeans(rows, geomean_fwd_vs_stock="fwd_ratio_vs_stock",
                           geomean_bwd_vs_stock="bwd_ratio_vs_stock"),
     }  # fmt: skip
-    common.finish_op(
-        args, limits, "silu_and_mul", summary=summary, rows=rows, plot=plot,
+
+
+def main() -> None:
+    common.op_main(
+        __doc__, "bench_silu_and_mul", "silu_and_mul", run, summarize, plot=plot,
         baseline="F.silu(x[..., :D]) * x[..., D:] (+ autograd for backward)",
         ratio="stock_us / triton_us (higher is better)",
         bw="bytes moved / time / measured copy bandwidth",

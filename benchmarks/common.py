@@ -301,14 +301,51 @@ def finish(
     return path
 
 
+def cuda_args(
+    doc: str, no_cuda: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace | None:
+    """A GPU script's arguments (described by the first line of ``doc``; ``extra`` adds its own,
+    as in :func:`parse_args`); ``None`` after printing the line ``no_cuda`` without a CUDA
+    device."""
+    args = parse_args(doc.splitlines()[0], extra)
+    if not torch.cuda.is_available():
+        print(no_cuda)
+        return None
+    return args
+
+
 def start(
     doc: str, name: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> tuple[argparse.Namespace, dict[str, float]] | None:
     """A GPU benchmark's first step: its arguments (described by the first line of ``doc``;
     ``extra`` adds its own, as in :func:`parse_args`) and the device's measured limits; ``None``
     (said once) without a CUDA device."""
-    args = parse_args(doc.splitlines()[0], extra)
-    if not torch.cuda.is_available():
-        print(f"{name}: no CUDA device; nothing to measure")
+    args = cuda_args(doc, f"{name}: no CUDA device; nothing to measure", extra)
+    if args is None:
         return None
     return args, load_or_measure_limits(args.out, quick=args.quick)
+
+
+def op_main(
+    doc: str,
+    name: str,
+    op: str,
+    run: Callable[[argparse.Namespace, float], list[dict]],
+    summarize: Callable[..., dict[str, Any]],
+    *,
+    more: Callable[[argparse.Namespace], dict[str, list[dict]]] | None = None,
+    **fields: Any,
+) -> None:
+    """A Triton op benchmark's whole ``main``: :func:`start` (nothing more without a CUDA
+    device), ``rows = run(args, copy_tb_s)``, then ``more(args)`` where given (further rows
+    measured apart, by field name: rope's ``qk_rows``), and :func:`finish_op` of ``op`` with
+    ``summarize(rows, **more)`` as the summary and ``fields`` (``baseline``, ``ratio``, ``bw``,
+    ``plot``, ``digits``, ... as :func:`finish_op` takes them) followed by ``more``'s fields."""
+    started = start(doc, name)
+    if started is None:
+        return
+    args, limits = started
+    rows = run(args, limits["copy_tb_s"])
+    measured = more(args) if more is not None else {}
+    summary = summarize(rows, **measured)
+    finish_op(args, limits, op, summary=summary, rows=rows, **fields, **measured)

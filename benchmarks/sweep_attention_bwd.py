@@ -109,9 +109,8 @@ def _sdpa_ms(x: dict[str, Any], b: int, s: int, quick: bool) -> dict[str, float]
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("sweep_attention_bwd.py needs a CUDA device; nothing measured")
+    args = common.cuda_args(__doc__, "sweep_attention_bwd.py needs a CUDA device; nothing measured")
+    if args is None:
         return
     rtol, atol = tolerance(torch.bfloat16, grad=True)
     shipped = at._BWD_CONFIGS[128]

@@ -138,9 +138,8 @@ def _sweep(name: str, run, cands: list[Cfg], quick: bool, work: float, unit: str
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("sweep_attention_fwd.py needs a CUDA device; nothing measured")
+    args = common.cuda_args(__doc__, "sweep_attention_fwd.py needs a CUDA device; nothing measured")
+    if args is None:
         return
     report: dict[str, Any] = {"cases": []}
     for b, s, hq, hkv in PREFILL:

@@ -36,9 +36,8 @@ CANDIDATES = {
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if not torch.cuda.is_available():
-        print("sweep_linear_logp_bwd: no CUDA device; nothing to measure")
+    args = common.cuda_args(__doc__, "sweep_linear_logp_bwd: no CUDA device; nothing to measure")
+    if args is None:
         return
     g = torch.Generator(device="cuda").manual_seed(0)
     t, vs, h = 8192, 16384, 4096

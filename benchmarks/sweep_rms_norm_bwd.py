@@ -225,9 +225,10 @@ def main() -> None:
     def extra(p):
         p.add_argument("--wide", action="store_true", help="a larger candidate grid (minutes)")
 
-    args = common.parse_args(__doc__.splitlines()[0], extra)
-    if not torch.cuda.is_available():
-        print("sweep_rms_norm_bwd: no CUDA device; nothing to measure")
+    args = common.cuda_args(
+        __doc__, "sweep_rms_norm_bwd: no CUDA device; nothing to measure", extra
+    )
+    if args is None:
         return
     t0 = time.time()
     limits = common.load_or_measure_limits(args.out, quick=True)

@@ -98,3 +98,69 @@ def test_poly_norm_plot_and_summary_line(tmp_path, capsys):
     common.finish(tmp_path, "poly_norm_t", {"a": 1}, summary={"x": 0.123456}, rows=rows)
     assert "poly_norm_t summary: x 0.123" in capsys.readouterr().out
     assert json.loads((tmp_path / "poly_norm_t.json").read_text())["rows"] == rows
+
+
+def test_op_main_runs_summarizes_and_writes(tmp_path, monkeypatch, capsys):
+    """``common.op_main``: ``run(args, copy_tb_s)``, then ``more(args)``, the summary of both, and
+    one JSON with the fields in ``finish_op``'s order (``more``'s after the given ones)."""
+    import argparse
+
+    common = importlib.import_module("common")
+    args = argparse.Namespace(out=tmp_path, quick=True)
+    limits = {"copy_tb_s": 2.5}
+    monkeypatch.setattr(common, "start", lambda doc, name, extra=None: (args, limits))
+    calls = []
+    rows = [{"m": 1, "fwd_bw_frac": 0.5}, {"m": 2, "fwd_bw_frac": 0.25}]
+
+    def run(a, copy_tb_s):
+        calls.append(("run", a, copy_tb_s))
+        return rows
+
+    def more(a):
+        calls.append(("more", a))
+        return {"qk_rows": [{"tokens": 1}]}
+
+    def summarize(rs, qk_rows):
+        calls.append(("summarize", rs, qk_rows))
+        return {"frac": common.geomean([r["fwd_bw_frac"] for r in rs]), "qk": len(qk_rows)}
+
+    common.op_main(
+        "Doc line.\n\nMore.",
+        "bench_fake",
+        "fake",
+        run,
+        summarize,
+        more=more,
+        plot=lambda rs, path: calls.append(("plot", rs, path.name)),
+        baseline="b",
+        ratio="r",
+        bw="w",
+        qk_definition="q",
+    )
+    assert calls == [
+        ("run", args, 2.5),
+        ("more", args),
+        ("summarize", rows, [{"tokens": 1}]),
+        ("plot", rows, "fake.png"),
+    ]
+    out = json.loads((tmp_path / "fake.json").read_text())
+    order = "provider baseline ratio_definition bw_frac_definition qk_definition qk_rows limits"
+    fields = [*order.split(), "summary", "rows"]
+    assert [k for k in out if k in fields] == fields
+    assert out["provider"] == "triton" and out["limits"] == limits and out["rows"] == rows
+    assert out["qk_rows"] == [{"tokens": 1}]
+    assert "fake summary: frac 0.354, qk 1" in capsys.readouterr().out
+
+
+def test_op_main_without_cuda_measures_nothing(tmp_path, monkeypatch, capsys):
+    """Without a CUDA device ``op_main`` says so once (``common.start``'s line) and returns."""
+    common = importlib.import_module("common")
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench_fake.py", "--out", str(tmp_path)])
+
+    def never(*a, **k):
+        raise AssertionError("called without a device")
+
+    common.op_main("Doc.", "bench_fake", "fake", never, never, more=never, plot=never)
+    assert capsys.readouterr().out == "bench_fake: no CUDA device; nothing to measure\n"
+    assert not (tmp_path / "fake.json").exists()
