@@ -312,3 +312,18 @@ def entry_arguments(public: Any) -> Any:
         return bound.arguments
 
     return bind
+
+
+def registry_entry(public: Any, run: Any) -> Any:
+    """An op's registry entry (what :meth:`rl_engine.registry.KernelRegistry.get_op`'s ``Op``
+    calls), for a ``public`` function that ends in ``run(*arguments, provider)``: called as
+    ``public`` but with ``provider=`` (the resolved name) instead of ``backend``, it binds the
+    arguments as ``public`` does (:func:`entry_arguments`: defaults applied, a wrong call raises
+    ``public``'s ``TypeError``) and returns ``run`` of them, in ``public``'s order, and the
+    provider. ``public`` calls ``run`` itself, so no binding runs on the public path."""
+    bind = entry_arguments(public)
+
+    def entry(*args: Any, provider: str, **kwargs: Any) -> Any:
+        return run(*bind(*args, **kwargs).values(), provider)
+
+    return entry

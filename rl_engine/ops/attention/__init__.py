@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.attention import reference
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -68,16 +74,8 @@ def _backward(ctx, dout, dlse):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _entry(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float | None = None,
-    causal: bool = True,
-    *,
-    provider: str,
-) -> torch.Tensor:
+def _run(q, k, v, cu_seqlens, scale, causal, provider: str) -> torch.Tensor:
+    """The op through ``provider`` on :func:`attention`'s arguments (checked here, once)."""
     reference._check_attention(q, k, v, cu_seqlens, scale, causal)
     scale = reference.default_scale(q.shape[2], scale)
     return _attention_op(q, k, v, cu_seqlens, scale, causal, provider)[0]
@@ -110,13 +108,13 @@ def attention(
         same tokens in any chunking / batch (same provider). See
         :func:`rl_engine.ops.attention.reference.attention` for the contract.
     """
-    check_tensor("q", q)  # the full check runs once, in _entry
+    check_tensor("q", q)  # the full check runs once, in _run
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int64:
         if cu_seqlens.numel() and q.shape[0] > torch.iinfo(torch.int32).max:
             raise ValueError("attention: more packed tokens than int32 offsets can address")
         cu_seqlens = cu_seqlens.to(torch.int32)
     provider = resolve_provider(_OP, q.device.type, backend)
-    return _entry(q, k, v, cu_seqlens, scale, causal, provider=provider)
+    return _run(q, k, v, cu_seqlens, scale, causal, provider)
 
 
 # ----------------------------------------------------------------------------- paged
@@ -253,7 +251,7 @@ def write_kv_cache(
 # ----------------------------------------------------------------------------- registration
 register_op(
     _OP,
-    entry=_entry,
+    entry=registry_entry(attention, _run),
     native=(
         f"attention/native-t{reference.KV_TILE}",
         reference.attention,

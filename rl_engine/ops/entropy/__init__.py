@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, lse_reduction_ops, register_op, register_triton
+from rl_engine.ops._common import lse_reduction_ops, register_op, register_triton, registry_entry
 from rl_engine.ops.entropy import reference, stock
+from rl_engine.ops.logp import on_logit_rows
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import resolve_provider
 
 __all__ = ["entropy"]
 
@@ -26,7 +26,8 @@ _entropy_op, _entropy_backward_op = lse_reduction_ops(
 )
 
 
-def _entry(logits: torch.Tensor, temperature: float = 1.0, *, provider: str) -> torch.Tensor:
+def _run(logits, temperature, provider: str) -> torch.Tensor:
+    """The op through ``provider`` on :func:`entropy`'s [T, V] arguments (checked here)."""
     reference._check(logits, temperature)
     return _entropy_op(logits, float(temperature), provider)[0]
 
@@ -47,19 +48,12 @@ def entropy(
 
     See :func:`rl_engine.ops.entropy.reference.entropy` for the contract.
     """
-    from rl_engine.ops.logp.reference import as_temperature, flatten_rows
-
-    check_tensor("logits", logits)  # the full check runs once, in _entry
-    temperature = as_temperature(temperature)
-    logits, _, lead = flatten_rows(logits)
-    provider = resolve_provider("entropy", logits.device.type, backend)
-    out = _entry(logits, temperature, provider=provider)
-    return out if lead is None else out.reshape(lead)
+    return on_logit_rows("entropy", _run, backend, logits, temperature)
 
 
 register_op(
     "entropy",
-    entry=_entry,
+    entry=registry_entry(entropy, _run),
     native=(
         f"entropy/native-v{VOCAB_TILE}",
         reference.entropy,

@@ -8,16 +8,14 @@ for the backward and is not differentiable) and ``rl_engine::linear_logp_backwar
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from rl_engine.ops._common import (
     check_tensor,
-    entry_arguments,
     provider_op,
     register_op,
     register_triton,
+    registry_entry,
 )
 from rl_engine.ops.linear_logp import reference, stock
 from rl_engine.ops.logp.reference import VOCAB_TILE
@@ -133,20 +131,16 @@ def linear_logp(
     """
     from rl_engine.ops.logp.reference import as_temperature
 
-    check_tensor("hidden", hidden)  # the full check runs once, in _entry
+    check_tensor("hidden", hidden)  # the full check runs once, in _run
     temperature = as_temperature(temperature)
     provider = resolve_provider("linear_logp", hidden.device.type, backend)
-    return _entry(hidden, weight, tokens, temperature, return_entropy, provider=provider)
+    return _run(hidden, weight, tokens, temperature, return_entropy, provider)
 
 
-_entry_arguments = entry_arguments(linear_logp)
-
-
-def _entry(
-    *args: Any, provider: str, **kwargs: Any
+def _run(
+    hidden, weight, tokens, temperature, return_entropy, provider: str
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The op through ``provider``, called as :func:`linear_logp` (but ``backend``)."""
-    hidden, weight, tokens, temperature, return_entropy = _entry_arguments(*args, **kwargs).values()
+    """The op through ``provider`` on :func:`linear_logp`'s arguments (checked here, once)."""
     reference._check(hidden, weight, tokens, temperature, return_entropy)
     lp, ent, _ = _linear_logp_op(
         hidden, weight, tokens, float(temperature), return_entropy, provider
@@ -156,7 +150,7 @@ def _entry(
 
 register_op(
     "linear_logp",
-    entry=_entry,
+    entry=registry_entry(linear_logp, _run),
     native=(
         f"linear_logp/native-v{VOCAB_TILE}",
         reference.linear_logp,

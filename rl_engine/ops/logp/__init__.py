@@ -7,9 +7,17 @@ is saved for the backward and is not differentiable) and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from rl_engine.ops._common import check_tensor, lse_reduction_ops, register_op, register_triton
+from rl_engine.ops._common import (
+    check_tensor,
+    lse_reduction_ops,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.logp import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -21,9 +29,24 @@ _logp_op, _logp_backward_op = lse_reduction_ops(
 )
 
 
-def _entry(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *, provider: str
+def on_logit_rows(
+    op: str, run: Any, backend: str | None, logits: Any, temperature: Any, *tokens: Any
 ) -> torch.Tensor:
+    """The public call of a reduction over the vocabulary (:func:`logp`; ``entropy`` without
+    ``tokens``): ``logits`` [..., V] (and ``tokens`` [...]) as rows [T, V] (and [T]), the
+    temperature as a float (:func:`reference.as_temperature`), then ``run(logits, [tokens,]
+    temperature, provider)`` through the provider the registry resolves for ``op`` (``run``
+    checks the arguments, once), the result in the leading shape."""
+    check_tensor("logits", logits)  # the full check runs once, in run
+    temperature = reference.as_temperature(temperature)
+    logits, flat_tokens, lead = reference.flatten_rows(logits, *tokens)
+    provider = resolve_provider(op, logits.device.type, backend)
+    out = run(logits, *((flat_tokens,) if tokens else ()), temperature, provider)
+    return out if lead is None else out.reshape(lead)
+
+
+def _run(logits, tokens, temperature, provider: str) -> torch.Tensor:
+    """The op through ``provider`` on :func:`logp`'s [T, V] / [T] arguments (checked here)."""
     reference._check(logits, tokens, temperature)
     return _logp_op(logits, tokens, float(temperature), provider)[0]
 
@@ -50,12 +73,7 @@ def logp(
 
     See :func:`rl_engine.ops.logp.reference.logp` for the contract.
     """
-    check_tensor("logits", logits)  # the full check runs once, in _entry
-    temperature = reference.as_temperature(temperature)
-    logits, tokens, lead = reference.flatten_rows(logits, tokens)
-    provider = resolve_provider("logp", logits.device.type, backend)
-    out = _entry(logits, tokens, temperature, provider=provider)
-    return out if lead is None else out.reshape(lead)
+    return on_logit_rows("logp", _run, backend, logits, temperature, tokens)
 
 
 def sampled_logp(
@@ -98,7 +116,7 @@ logp_at = reference.logp_at
 
 register_op(
     "logp",
-    entry=_entry,
+    entry=registry_entry(logp, _run),
     native=(
         f"logp/native-v{reference.VOCAB_TILE}",
         reference.logp,

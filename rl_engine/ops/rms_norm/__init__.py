@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _dtensor
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
 from rl_engine.ops.rms_norm import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
@@ -230,14 +230,10 @@ class _FusedAddRmsNormFn(torch.autograd.Function):
         return _fused_backward(ctx, grad_y, grad_s, _DIRECT)
 
 
-def _entry(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-    *,
-    provider: str,
+def _run(
+    x, weight, eps, residual, provider: str
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The op through ``provider`` on :func:`rms_norm`'s arguments (checked here, once)."""
     reference._check(x, weight, eps, residual)
     sharded = _dtensor.any_dtensor(x, weight, residual)
     if sharded:  # the custom ops carry the DTensor sharding strategies (see ops/_dtensor.py)
@@ -272,14 +268,14 @@ def rms_norm(
         ``y`` [..., H] in ``x.dtype``, or ``(y, x + residual)`` when ``residual`` is given.
         See :func:`rl_engine.ops.rms_norm.reference.rms_norm` for the contract.
     """
-    check_tensor("x", x)  # the full check runs once, in _entry
+    check_tensor("x", x)  # the full check runs once, in _run
     provider = resolve_provider("rms_norm", x.device.type, backend)
-    return _entry(x, weight, eps, residual, provider=provider)
+    return _run(x, weight, eps, residual, provider)
 
 
 register_op(
     "rms_norm",
-    entry=_entry,
+    entry=registry_entry(rms_norm, _run),
     native=(
         "rms_norm/native-tree",
         reference.rms_norm,

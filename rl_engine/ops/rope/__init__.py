@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, entry_arguments, register_op, register_triton
+from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
 from rl_engine.ops.rope import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -158,24 +158,20 @@ def rope(
     Returns:
         [T, heads, head_dim] in ``x.dtype``. See :func:`rl_engine.ops.rope.reference.rope`.
     """
-    check_tensor("x", x)  # the full check runs once, in _entry
+    check_tensor("x", x)  # the full check runs once, in _run
     provider = resolve_provider("rope", x.device.type, backend)
-    return _entry(x, positions, theta, rotary_dim, is_neox, scaling, provider=provider)
+    return _run(x, positions, theta, rotary_dim, is_neox, scaling, provider)
 
 
-_entry_arguments = entry_arguments(rope)
-
-
-def _entry(*args: Any, provider: str, **kwargs: Any) -> torch.Tensor:
-    """The op through ``provider``, called as :func:`rope` (but ``backend``)."""
-    x, positions, theta, rotary_dim, is_neox, scaling = _entry_arguments(*args, **kwargs).values()
+def _run(x, positions, theta, rotary_dim, is_neox, scaling, provider: str) -> torch.Tensor:
+    """The op through ``provider`` on :func:`rope`'s arguments (checked here, once)."""
     rotary_dim, canon = reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
     return _rope_op(x, positions, float(theta), rotary_dim, is_neox, *canon, provider)
 
 
 register_op(
     "rope",
-    entry=_entry,
+    entry=registry_entry(rope, _run),
     native=(
         "rope/native-f64table",
         reference.rope,
