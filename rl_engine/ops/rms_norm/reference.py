@@ -123,16 +123,35 @@ def rms_norm(
     return with_residual(_norm, x, weight, eps, residual)
 
 
+def norm_dx(
+    rstd_of: Callable[[torch.Tensor, float], torch.Tensor],
+    row_mean: Callable[[torch.Tensor], torch.Tensor],
+    grad: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """``rms_norm_dx`` of the torch providers around their row statistics, ``rstd_of(x32, eps)``
+    and ``row_mean(t)`` (the mean over the last dim), both [..., 1]: with ``x32 = r.float()``,
+    ``n = x32 * rstd`` and ``g = grad.float() * weight.float()``,
+    ``((g - n * row_mean(g * n)) * rstd).to(r.dtype)``."""
+    x32 = r.float()
+    rstd = rstd_of(x32, eps)
+    n = x32 * rstd
+    g = grad.float() * weight.float()
+    return ((g - n * row_mean(g * n)) * rstd).to(r.dtype)
+
+
+def _tree_mean(t: torch.Tensor) -> torch.Tensor:
+    """``tree_sum(t) / H`` over the last dim, with a trailing singleton dim."""
+    return tree_sum(t, dim=-1).unsqueeze(-1) / t.shape[-1]
+
+
 def rms_norm_dx(
     grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Gradient w.r.t. the normalised input ``r`` [..., H] (row invariant), in ``r.dtype``."""
-    x32 = r.float()
-    rstd = _rstd(x32, eps)
-    n = x32 * rstd
-    g = grad.float() * weight.float()
-    c = tree_sum(g * n, dim=-1).unsqueeze(-1) / x32.shape[-1]
-    return ((g - n * c) * rstd).to(r.dtype)
+    return norm_dx(_rstd, _tree_mean, grad, r, weight, eps)
 
 
 def sum_rows(p: torch.Tensor) -> torch.Tensor:

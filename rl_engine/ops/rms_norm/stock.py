@@ -12,7 +12,7 @@ import torch
 
 from rl_engine.ops._common import signature_of
 from rl_engine.ops.rms_norm import reference
-from rl_engine.ops.rms_norm.reference import with_residual
+from rl_engine.ops.rms_norm.reference import norm_dx, with_residual
 
 
 def _rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,14 +30,14 @@ def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return with_residual(_norm, *args)
 
 
+def _mean(t: torch.Tensor) -> torch.Tensor:
+    return t.mean(-1, keepdim=True)
+
+
 def rms_norm_dx(
     grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    x32 = r.float()
-    rstd = _rstd(x32, eps)
-    n = x32 * rstd
-    g = grad.float() * weight.float()
-    return ((g - n * (g * n).mean(-1, keepdim=True)) * rstd).to(r.dtype)
+    return norm_dx(_rstd, _mean, grad, r, weight, eps)
 
 
 def rms_norm_wgrad(grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
