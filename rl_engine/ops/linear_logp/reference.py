@@ -98,6 +98,16 @@ def _logits(h: torch.Tensor, w: torch.Tensor, gemm: str) -> torch.Tensor:
     return torch.ops.rl_engine.det_gemm(h, w.t(), None, gemm)
 
 
+def _blocks_setup(
+    hidden: torch.Tensor, tokens: torch.Tensor, temperature: float
+) -> tuple[tuple[int, int], torch.Tensor, str, torch.Tensor]:
+    """What the forward and the backward pass over the (token chunk, vocabulary chunk) blocks
+    start from: ``(TOKEN_CHUNK, VOCAB_CHUNK)``, the temperature as a tensor on ``hidden``'s
+    device, the resolved ``det_gemm`` provider and the tokens as int64."""
+    dev = hidden.device
+    return _chunks(), temperature_tensor(temperature, dev), _gemm_provider(dev), tokens.long()
+
+
 def linear_logp_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -108,12 +118,9 @@ def linear_logp_forward(
     """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``."""
     _check(hidden, weight, tokens, temperature, return_entropy)
     check_token_range(tokens, weight.shape[0])
-    tc, vc = _chunks()
+    (tc, vc), temp, gemm, tok = _blocks_setup(hidden, tokens, temperature)
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    temp = temperature_tensor(temperature, dev)
-    gemm = _gemm_provider(dev)
-    tok = tokens.long()
     out_logp = torch.empty(n, dtype=torch.float32, device=dev)
     out_lse = torch.empty(n, dtype=torch.float32, device=dev)
     out_ent = torch.empty(n if return_entropy else 0, dtype=torch.float32, device=dev)
@@ -157,12 +164,9 @@ def linear_logp_backward(
     ``grad_logp`` / ``grad_entropy`` are the upstream gradients [T] (``None``: zero);
     ``entropy`` is the forward's entropy (used only with ``grad_entropy``).
     """
-    tc, vc = _chunks()
+    (tc, vc), temp, gemm, tok = _blocks_setup(hidden, tokens, temperature)
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    temp = temperature_tensor(temperature, dev)
-    gemm = _gemm_provider(dev)
-    tok = tokens.long()
     dh = torch.zeros(hidden.shape if need_dhidden else 0, dtype=torch.float32, device=dev)
     dw = torch.zeros(weight.shape if need_dweight else 0, dtype=torch.float32, device=dev)
     if (grad_logp is None and grad_entropy is None) or not (need_dhidden or need_dweight):
