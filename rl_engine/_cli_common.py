@@ -1,5 +1,6 @@
 """Plumbing shared by the ``rl-engine`` subcommands that run vLLM against a trainer: ``audit``
-(:mod:`rl_engine.audit.cli`) and ``grpo`` (:mod:`rl_engine.rl.cli`)."""
+(:mod:`rl_engine.audit.cli`) and ``grpo`` (:mod:`rl_engine.rl.cli`), and by their worker
+processes (:mod:`rl_engine.audit.worker`, :mod:`rl_engine.rl.loop`)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,14 @@ def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: 
     stage = os.path.join(workdir, name)
     draw(stage)
     shutil.move(stage, os.path.join(out_dir, name))
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, written to ``path + ".tmp"`` and renamed, so a reader (the
+    parent of a worker process) never sees a half-written file."""
+    import json
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)

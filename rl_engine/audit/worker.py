@@ -13,10 +13,11 @@ worker's stderr went to a terminal) and exits non-zero.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from typing import Any
+
+from rl_engine._cli_common import write_json_atomic
 
 
 def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -172,10 +173,7 @@ def main(argv: list[str]) -> int:
         with open(out_path + ".traceback", "w") as f:
             f.write(traceback.format_exc())
         raise
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out_path)
+    write_json_atomic(out_path, result)
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from rl_engine._cli_common import write_json_atomic
 from rl_engine.rl import engines, rewards
 from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
 
@@ -318,10 +319,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:
         emit({"type": "error", "kind": "internal", "message": f"{type(exc).__name__}: {exc}"})
         raise
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out_path)
+    write_json_atomic(out_path, result)
     return 0
 
 

@@ -21,8 +21,6 @@ Trainer-side names: :func:`hf_weights` (a transformers model) and :func:`megatro
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,15 +40,11 @@ def checkpoint_spec(path: str) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of the tensors of a Hugging Face checkpoint folder (headers only)."""
     from safetensors import safe_open
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    from rl_engine.adapters._checkpoint import safetensor_files
+
     spec: dict[str, tuple[int, ...]] = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
+    for file in safetensor_files(path):
+        with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 spec[key] = tuple(f.get_slice(key).get_shape())
     return spec

@@ -30,6 +30,14 @@ def _read_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def _config_dtype(cfg: dict[str, Any], dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``None``: the checkpoint's (``dtype`` / ``torch_dtype`` of its
+    config, float32 when it names none)."""
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def rope_from_hf_config(cfg: dict[str, Any]) -> RopeSettings:
     """RoPE settings of a Llama / Qwen ``config.json`` dict (the HF adapter's parsing)."""
     from rl_engine.adapters.hf.patch import rope_kwargs
@@ -91,14 +99,10 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
 def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
+    from rl_engine.adapters._checkpoint import safetensor_files
+
+    for file in safetensor_files(path):
+        with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 
@@ -322,10 +326,7 @@ def from_pretrained(
     rank = parallel_state.get_tensor_model_parallel_rank()
     path = os.fspath(path)
     cfg = _read_config(path)
-    if dtype is None:
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _config_dtype(cfg, dtype)
     tied = bool(cfg.get("tie_word_embeddings", False))
     check_tp_shapes(cfg, tp)
     config_overrides.setdefault("tensor_model_parallel_size", tp)
@@ -378,10 +379,7 @@ def stock_from_pretrained(
 
     path = os.fspath(path)
     cfg = _read_config(path)
-    if dtype is None:
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _config_dtype(cfg, dtype)
     mcfg = hf_config_to_megatron(cfg, dtype)
     rope = rope_from_hf_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
