@@ -189,6 +189,12 @@ def _fused_backward(ctx, grad_y, grad_s, ops=_OPS):
         dw = wgrad_op(grad_y.to(s.dtype), s, ctx.eps, ctx.provider).to(weight.dtype)
     dx = ds if ctx.needs_input_grad[0] else None
     dres = ds if ctx.needs_input_grad[1] else None
+    if dx is not None and dres is not None and _dtensor.any_dtensor(ds):
+        # one gradient object for two leaves: autograd copies it for the first through
+        # ``new_empty_strided(...).copy_``, which on DTensors (torch 2.11) comes out Replicate
+        # instead of the input's Shard. Two objects, each stored as is (what autograd's copy
+        # costs for plain tensors too)
+        dres = ds.clone()
     return dx, dres, dw, None, None
 
 
