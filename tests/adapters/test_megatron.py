@@ -103,6 +103,11 @@ def test_logits_forward_equals_linear_logp(models):
     with torch.no_grad():
         logits = model(ids, None, None)  # [B, T, V] in the model dtype
         fused = ma.token_logprobs(model, ids, 0.7)
+    # GPTModel builds its LM head outside the layer spec: from_pretrained makes it rl_engine's
+    # too (it was the stock GEMM once, and this test passed or failed with the host's BLAS)
+    from rl_engine.adapters.megatron.modules import RLColumnParallelLinear
+
+    assert type(model.output_layer) is RLColumnParallelLinear
     assert logits.dtype == torch.bfloat16
     b, t = ids.shape
     unfused = ops.logp(logits[:, :-1].reshape(b * (t - 1), -1), ids[:, 1:].reshape(-1), 0.7)

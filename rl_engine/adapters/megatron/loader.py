@@ -9,7 +9,11 @@ from typing import Any
 
 import torch
 
-from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
+from rl_engine.adapters.megatron.modules import (
+    RLColumnParallelLinear,
+    RopeSettings,
+    UnsupportedNumericsError,
+)
 from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec
 
 __all__ = [
@@ -316,6 +320,7 @@ def from_pretrained(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -341,6 +346,10 @@ def from_pretrained(
         share_embeddings_and_output_weights=tied,
         position_embedding_type="none",
     )
+    # GPTModel builds its LM head itself, outside the layer spec: without this its forward
+    # logits came from the stock GEMM (host BLAS bits), not det_gemm (token_logprobs' bits)
+    if type(model.output_layer) is ColumnParallelLinear:
+        model.output_layer.__class__ = RLColumnParallelLinear
     hf = dict(_tensors(path))
     state = hf_to_megatron_state(hf, cfg, tied)
     if tp > 1:
