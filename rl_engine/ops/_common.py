@@ -269,8 +269,10 @@ def signature_of(spec: Any, *lead: str) -> Any:
     """Decorator: a provider function written ``fn(*args)`` gets the signature of ``spec`` (its
     op's reference, which every provider keeps and the registry checks) instead of spelling the
     argument list out again. ``lead``: tensor arguments before ``spec``'s (a backward's upstream
-    gradient); the return annotation stays ``fn``'s. Keyword calls are bound to positions first,
-    as a function with that signature binds them (a wrong call raises the same ``TypeError``)."""
+    gradient); the return annotation stays ``fn``'s, and so do ``fn``'s own keyword-only
+    parameters, after ``spec``'s (a provider's tuning knobs, e.g. a benchmark's launch
+    overrides). Keyword calls are bound to positions first, as a function with that signature
+    binds them (a wrong call raises the same ``TypeError``)."""
     import functools
     import inspect
 
@@ -279,16 +281,17 @@ def signature_of(spec: Any, *lead: str) -> Any:
     params += inspect.signature(spec).parameters.values()
 
     def wrap(fn: Any) -> Any:
-        ret = inspect.signature(fn).return_annotation
-        sig = inspect.Signature(params, return_annotation=ret)
+        own = inspect.signature(fn)
+        knobs = [p for p in own.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        sig = inspect.Signature(params + knobs, return_annotation=own.return_annotation)
 
         @functools.wraps(fn)
         def provider(*args: Any, **kwargs: Any) -> Any:
             if kwargs or len(args) != len(params):
                 bound = sig.bind(*args, **kwargs)
                 bound.apply_defaults()
-                args = bound.args
-            return fn(*args)
+                args, kwargs = bound.args, bound.kwargs
+            return fn(*args, **kwargs)
 
         provider.__signature__ = sig  # type: ignore[attr-defined]
         return provider

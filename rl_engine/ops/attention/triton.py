@@ -942,14 +942,10 @@ def paged_attention_out(*args: Any) -> None:
     _paged(*args, split=False)
 
 
-def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+@signature_of(reference.write_kv_cache)
+def write_kv_cache(*args: Any) -> None:
     """Exact copy of ``k`` / ``v`` into the caches at ``slot_mapping`` (``-1`` skips)."""
+    k, v, k_cache, v_cache, slot_mapping = args
     reference._check_write(k, v, k_cache, v_cache, slot_mapping)
     _check_device(k)
     _check_caches(k_cache, v_cache)
@@ -979,17 +975,9 @@ def write_kv_cache(
         )
 
 
+@signature_of(reference.attention_bwd)
 def attention_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool,
-    *,
+    *args: Any,
     bwd_configs: tuple[BwdKernelConfig, BwdKernelConfig] | None = None,
     kernels: tuple[str, ...] = ("delta", "dkdv", "dq"),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -997,6 +985,7 @@ def attention_bwd(
 
     ``bwd_configs`` (dK/dV, dQ) overrides the checked-in table and ``kernels`` runs a subset
     (both for ``benchmarks/sweep_attention_bwd.py``; a subset leaves the other outputs unset)."""
+    dout, q, k, v, out, lse, cu_seqlens, scale, causal = args
     _check_query(q)
     t, hq, d = q.shape
     hkv = k.shape[1]

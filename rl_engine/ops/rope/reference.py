@@ -25,6 +25,7 @@ no gradient. Only elementwise tensor operations are used: a token's output depen
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -268,7 +269,8 @@ def rope_backward(
 
 def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The two-tensor form of a one-tensor ``rope`` function: ``(fn(q, ...), fn(k, ...))`` with
-    the same positions and parameters (the spec of the fused ``rope_qk``)."""
+    the same positions and parameters (the spec of the fused ``rope_qk``); its signature is
+    ``fn``'s with ``q, k`` for the one tensor (what a provider's ``rope_qk`` takes)."""
 
     def both(q, k, positions, theta=10000.0, rotary_dim=None, is_neox=True, scaling=None):
         return (
@@ -276,6 +278,12 @@ def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Ten
             fn(k, positions, theta, rotary_dim, is_neox, scaling),
         )
 
+    sig = inspect.signature(fn)
+    x, *rest = sig.parameters.values()
+    both.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[x.replace(name="q"), x.replace(name="k"), *rest],
+        return_annotation="tuple[torch.Tensor, torch.Tensor]",
+    )
     both.__name__ = f"{fn.__name__}_qk"
     both.__doc__ = f"``{fn.__name__}`` of ``q`` and of ``k`` (same positions and parameters)."
     return both

@@ -327,18 +327,12 @@ def rope_backward(*args: Any) -> torch.Tensor:
     return _rope(*args, inverse=True)[0]
 
 
-def rope_qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.rope_qk)
+def rope_qk(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope` of ``q`` [T, Hq, D] and ``k`` [T, Hk, D] at the same positions in one launch
     (the tables computed once per token); each output bitwise equal to its own :func:`rope`."""
-    return _rope(q, positions, theta, rotary_dim, is_neox, scaling, inverse=False, x2=k)
+    q, k, *params = args
+    return _rope(q, *params, inverse=False, x2=k)
 
 
 def rope_qk_backward(
