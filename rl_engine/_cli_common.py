@@ -38,6 +38,14 @@ def main(
     return run(parser.parse_args(argv))
 
 
+def add_model_argument(p: argparse.ArgumentParser, default_help: str) -> None:
+    """``--model``: a Hugging Face model folder; without it the subcommand runs
+    :func:`embedded_model` (``default_help`` says so in the help text)."""
+    p.add_argument(
+        "--model", default=None, help=f"Hugging Face model folder (default: {default_help})"
+    )
+
+
 def embedded_model(workdir: str, dtype: str, seed: int) -> str:
     """The model when none is given: a tiny random Llama written to ``workdir/tiny-llama``, its
     weights a function of ``seed``; returns its folder."""
@@ -64,12 +72,17 @@ def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: 
     shutil.move(stage, os.path.join(out_dir, name))
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """``obj`` as JSON at ``path``, written to ``path + ".tmp"`` and renamed, so a reader (the
-    parent of a worker process) never sees a half-written file."""
-    import json
-
+def write_text_atomic(path: str, text: str) -> None:
+    """``text`` at ``path``, written to ``path + ".tmp"`` and renamed, so a reader (the parent of
+    a worker process, a user of the output folder) never sees a half-written file."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, atomically (:func:`write_text_atomic`)."""
+    import json
+
+    write_text_atomic(path, json.dumps(obj))

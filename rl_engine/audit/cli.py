@@ -60,12 +60,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder (default: a tiny "
-        "random Llama generated locally with a fixed seed)",
-    )
+    _cli_common.add_model_argument(p, "a tiny random Llama generated locally with a fixed seed")
     p.add_argument(
         "--prompts",
         default=None,
@@ -655,13 +650,6 @@ def _localize_text(name: str, loc: dict[str, Any]) -> str:
     return head + "\nmax |d| per layer ('=' bitwise equal):\n" + layer_table(loc)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace) -> int:
     out_dir = os.path.abspath(args.out)
     with tempfile.TemporaryDirectory(prefix="rl_engine_audit_") as workdir:
@@ -691,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
             ("report.json", json.dumps(report, indent=1)),
             ("report.md", _markdown(report, table)),
         ):
-            _write_atomic(os.path.join(out_dir, name), text)
+            _cli_common.write_text_atomic(os.path.join(out_dir, name), text)
             written.append(name)
         from rl_engine.audit import plots
 

@@ -39,11 +39,7 @@ def add_parser(sub: Any) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder (default: the embedded tiny random Llama, fixed seed)",
-    )
+    _cli_common.add_model_argument(p, "the embedded tiny random Llama, fixed seed")
     p.add_argument("--trainer", choices=TRAINERS, default="hf")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument(

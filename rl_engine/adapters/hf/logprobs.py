@@ -7,13 +7,10 @@ from typing import Any
 import torch
 
 from rl_engine import ops
+from rl_engine.adapters._logprobs import masked, packed_keep
 from rl_engine.adapters.hf.patch import UnsupportedModelError, is_patched
 
 __all__ = ["token_logprobs"]
-
-
-def _masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _parts(model: Any) -> tuple[Any, torch.Tensor]:
@@ -89,11 +86,8 @@ def token_logprobs(
             max_length_k=max_len,
         ).last_hidden_state[0]
         res = ops.linear_logp(h[:-1], weight, flat[1:], temperature, return_entropy=return_entropy)
-        keep = torch.ones(t - 1, dtype=torch.bool, device=flat.device)
-        inner = cu[1:-1].long()
-        inner = inner[(inner > 0) & (inner < t)]
-        keep[inner - 1] = False
-        outs = tuple(_masked(r, keep) for r in (res if return_entropy else (res,)))
+        keep = packed_keep(cu, t, flat.device)
+        outs = tuple(masked(r, keep) for r in (res if return_entropy else (res,)))
         if ids.dim() == 2:
             outs = tuple(o.unsqueeze(0) for o in outs)
         return outs if return_entropy else outs[0]
@@ -120,5 +114,5 @@ def token_logprobs(
     outs = [r.view(b, t - 1) for r in (res if return_entropy else (res,))]
     if mask is not None:
         keep = mask[:, 1:] & mask[:, :-1]
-        outs = [_masked(o, keep) for o in outs]
+        outs = [masked(o, keep) for o in outs]
     return tuple(outs) if return_entropy else outs[0]

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from rl_engine import ops
+from rl_engine.adapters._logprobs import masked, packed_keep
 from rl_engine.adapters.megatron.modules import UnsupportedNumericsError
 
 __all__ = ["token_logprobs", "true_vocab_size", "unwrap_gpt"]
@@ -139,10 +140,6 @@ def _packed_params(cu: torch.Tensor) -> Any:
     )
 
 
-def _masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 def _check_cu(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-D tensor [B + 1]")
@@ -170,13 +167,10 @@ def _packed_logprobs(gpt, ids, cu, weight, temperature, return_entropy):
     h = _hidden(gpt, ids.unsqueeze(0), _packed_params(cu))  # [T, 1, H]
     h = h.reshape(t, -1)
     res = _logp(h[:-1], weight, ids[1:], temperature, return_entropy)
-    starts = cu[1:-1].long()
-    starts = starts[(starts > 0) & (starts < t)]
-    keep = torch.ones(t - 1, dtype=torch.bool, device=ids.device)
-    keep[starts - 1] = False
+    keep = packed_keep(cu, t, ids.device)
     if return_entropy:
-        return tuple(_masked(r, keep) for r in res)
-    return _masked(res, keep)
+        return tuple(masked(r, keep) for r in res)
+    return masked(res, keep)
 
 
 def token_logprobs(
@@ -265,7 +259,7 @@ def token_logprobs(
     res = tuple(r.view(b, t - 1) for r in res) if return_entropy else res.view(b, t - 1)
     if attention_mask is not None:
         keep = attention_mask[:, 1:].to(torch.bool)
-        res = tuple(_masked(r, keep) for r in res) if return_entropy else _masked(res, keep)
+        res = tuple(masked(r, keep) for r in res) if return_entropy else masked(res, keep)
     return res
 
 
@@ -286,5 +280,5 @@ def _unpadded_logprobs(gpt, input_ids, mask, weight, temperature, return_entropy
     for r in outs:
         full = torch.cat([r, r.new_zeros(1)])
         vals = full[src.reshape(-1)].view(b, t - 1)
-        scattered.append(_masked(vals, tgt_ok))
+        scattered.append(masked(vals, tgt_ok))
     return tuple(scattered) if return_entropy else scattered[0]

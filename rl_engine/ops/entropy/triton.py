@@ -51,17 +51,11 @@ def entropy_backward(*args: Any) -> torch.Tensor:
     )
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Batch-invariant entropy of ``softmax(logits / temperature)`` per row, in Triton.
-
-    Args:
-        logits: [T, V] float32 / bfloat16 / float16, any strides.
-        temperature: Python float > 0.
-
-    Returns:
-        fp32 [T] (nats).
-    """
-    return entropy_forward(logits, temperature)[0]
+@signature_of(reference.entropy)
+def entropy(*args: Any) -> torch.Tensor:
+    """Batch-invariant entropy of ``softmax(logits / temperature)`` per row, in Triton: fp32 [T]
+    (nats). Takes the arguments of :func:`rl_engine.ops.entropy.reference.entropy`."""
+    return entropy_forward(*args)[0]
 
 
 PROVIDER = _tr.triton_provider(

@@ -16,17 +16,15 @@ import torch
 
 from rl_engine.ops._common import (
     check_tensor,
-    entry_arguments,
     provider_op,
     register_op,
     register_triton,
+    registry_entry,
 )
 from rl_engine.ops.grpo_loss import reference
 from rl_engine.ops.grpo_loss.args import (
     AGG_MODES,
     METRIC_NAMES,
-    TENSOR_NAMES,
-    Options,
     check,
     normalize,
 )
@@ -117,9 +115,13 @@ def _backward(ctx, grad, _grad_metrics):
 _grpo_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(tensors: tuple, options: tuple, provider: str) -> GRPOLoss:
-    """The op on the public arguments (:func:`rl_engine.ops.grpo_loss.args.normalize`'s)."""
-    tensors, opts = normalize(tensors, options)
+def _run(logp: Any, old_logp: Any, advantages: Any, mask: Any, *rest: Any) -> GRPOLoss:
+    """The op on :func:`grpo_loss`'s arguments, in its order, the provider last (normalised by
+    :func:`rl_engine.ops.grpo_loss.args.normalize`)."""
+    *options, ref_logp, is_weights, log_ratio_clamp, provider = rest
+    tensors, opts = normalize(
+        (logp, old_logp, advantages, mask, ref_logp, is_weights), (*options, log_ratio_clamp)
+    )
     loss, metrics = _grpo_loss_op(*tensors, *opts, provider)
     return GRPOLoss(loss, GRPOMetrics(*metrics.unbind(0)))
 
@@ -181,24 +183,14 @@ def grpo_loss(
     check_tensor("logp", logp)
     provider = resolve_provider("grpo_loss", logp.device.type, backend)
     return _run(
-        (logp, old_logp, advantages, mask, ref_logp, rollout_is_weights),
-        (clip_low, clip_high, dual_clip, ratio_type, loss_agg, loss_norm, kl_beta, log_ratio_clamp),
-        provider,
-    )
-
-
-_entry_arguments = entry_arguments(grpo_loss)
-
-
-def _entry(*args: Any, provider: str, **kwargs: Any) -> GRPOLoss:
-    """The op through ``provider``, called as :func:`grpo_loss` (but ``backend``)."""
-    x = _entry_arguments(*args, **kwargs)
-    return _run(tuple(x[n] for n in TENSOR_NAMES), tuple(x[n] for n in Options._fields), provider)
+        logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, ratio_type, loss_agg,
+        loss_norm, kl_beta, ref_logp, rollout_is_weights, log_ratio_clamp, provider,
+    )  # fmt: skip
 
 
 register_op(
     "grpo_loss",
-    entry=_entry,
+    entry=registry_entry(grpo_loss, _run),
     native=("grpo_loss/native", reference.grpo_loss, {"backward": reference.grpo_loss_backward}),
 )
 

@@ -16,10 +16,10 @@ import torch
 
 from rl_engine.ops._common import (
     check_tensor,
-    entry_arguments,
     provider_op,
     register_op,
     register_triton,
+    registry_entry,
 )
 from rl_engine.ops.ratio_kl import reference
 from rl_engine.ops.ratio_kl.args import check, normalize
@@ -149,9 +149,11 @@ def _backward(ctx, *grads):
 _ratio_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(logp: Any, old_logp: Any, mask: Any, public: tuple, provider: str) -> RatioKL:
-    """The op on the public arguments (:func:`rl_engine.ops.ratio_kl.args.normalize`'s)."""
-    mask, opts = normalize(logp, old_logp, mask, public)
+def _run(logp: Any, old_logp: Any, mask: Any, *options: Any) -> RatioKL:
+    """The op on :func:`ratio_kl`'s arguments, in its order, the provider last (the options as
+    :func:`rl_engine.ops.ratio_kl.args.normalize` takes them)."""
+    *public, provider = options
+    mask, opts = normalize(logp, old_logp, mask, tuple(public))
     return RatioKL(*_ratio_kl_op(logp, old_logp, mask, *opts, provider))
 
 
@@ -195,21 +197,12 @@ def ratio_kl(
     check_tensor("logp", logp)
     provider = resolve_provider("ratio_kl", logp.device.type, backend)
     public = (log_ratio_clamp, token_is_cap, seq_is_cap, token_mis, seq_mis, seq_mode)
-    return _run(logp, old_logp, mask, public, provider)
-
-
-_entry_arguments = entry_arguments(ratio_kl)
-
-
-def _entry(*args: Any, provider: str, **kwargs: Any) -> RatioKL:
-    """The op through ``provider``, called as :func:`ratio_kl` (but ``backend``)."""
-    logp, old_logp, mask, *public = _entry_arguments(*args, **kwargs).values()
-    return _run(logp, old_logp, mask, tuple(public), provider)
+    return _run(logp, old_logp, mask, *public, provider)
 
 
 register_op(
     "ratio_kl",
-    entry=_entry,
+    entry=registry_entry(ratio_kl, _run),
     native=("ratio_kl/native", reference.ratio_kl, {"backward": reference.ratio_kl_backward}),
 )
 
