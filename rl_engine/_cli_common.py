@@ -72,6 +72,31 @@ def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: 
     shutil.move(stage, os.path.join(out_dir, name))
 
 
+def write_outputs(
+    prog: str,
+    out_dir: str,
+    workdir: str,
+    texts: list[tuple[str, str]],
+    figures: list[tuple[str, Callable[[str], None]]],
+) -> list[str]:
+    """A subcommand's results in ``out_dir``: the ``texts`` (name, content) first, each complete
+    before it is moved in, then the ``figures`` (name, ``draw(path)``, staged in ``workdir``).
+    A figure that fails is reported (``prog: warning: ...``) and skipped: the numbers written
+    before it are never lost. Returns the names written, in order."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, text in texts:
+        write_text_atomic(os.path.join(out_dir, name), text)
+        written.append(name)
+    for name, draw in figures:
+        try:
+            write_figure(draw, workdir, out_dir, name)
+            written.append(name)
+        except Exception as exc:  # the numbers are already on disk
+            print(f"{prog}: warning: no {name} ({type(exc).__name__}: {exc})")
+    return written
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """``text`` at ``path``, written to ``path + ".tmp"`` and renamed, so a reader (the parent of
     a worker process, a user of the output folder) never sees a half-written file."""

@@ -49,14 +49,11 @@ class AuditWorkerError(RuntimeError):
         self.log_path = log_path
 
 
+SUMMARY = "measure rollout-vs-trainer log-prob drift (stock vs rl_engine)"
+
+
 def add_parser(sub: Any) -> None:
-    _cli_common.add_subcommand(
-        sub,
-        "audit",
-        "measure rollout-vs-trainer log-prob drift (stock vs rl_engine)",
-        _add_arguments,
-        run,
-    )
+    _cli_common.add_subcommand(sub, "audit", SUMMARY, _add_arguments, run)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -671,27 +668,30 @@ def run(args: argparse.Namespace) -> int:
         problems = _gate(report)
         report["gate"] = {"passed": not problems, "problems": problems}
         deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
-        # the report first, each file complete before it is moved in: a plotting failure (or
-        # a full disk) later loses nothing written before it
-        written = []
-        os.makedirs(out_dir, exist_ok=True)
-        for name, text in (
-            ("report.json", json.dumps(report, indent=1)),
-            ("report.md", _markdown(report, table)),
-        ):
-            _cli_common.write_text_atomic(os.path.join(out_dir, name), text)
-            written.append(name)
-        from rl_engine.audit import plots
 
-        figures = [("drift.png", lambda path: plots.drift_figure(report, deltas, path))]
+        def drift(path: str) -> None:  # plots import matplotlib: inside, after the numbers
+            from rl_engine.audit import plots
+
+            plots.drift_figure(report, deltas, path)
+
+        def localize(path: str) -> None:
+            from rl_engine.audit import plots
+
+            plots.localize_figure(report, path)
+
+        figures = [("drift.png", drift)]
         if any("localize" in m for m in report["configurations"].values()):
-            figures.append(("localize.png", lambda path: plots.localize_figure(report, path)))
-        for fname, draw in figures:
-            try:
-                _cli_common.write_figure(draw, workdir, out_dir, fname)
-                written.append(fname)
-            except Exception as exc:  # the numbers are already on disk
-                print(f"rl-engine audit: warning: no {fname} ({type(exc).__name__}: {exc})")
+            figures.append(("localize.png", localize))
+        written = _cli_common.write_outputs(
+            "rl-engine audit",
+            out_dir,
+            workdir,
+            [
+                ("report.json", json.dumps(report, indent=1)),
+                ("report.md", _markdown(report, table)),
+            ],
+            figures,
+        )
     print(table)
     for name, m in report["configurations"].items():
         if "localize" in m:

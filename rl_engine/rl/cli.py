@@ -28,14 +28,11 @@ class GRPOInputError(ValueError):
     """Bad command-line input (reported as a message and exit status 2)."""
 
 
+SUMMARY = "run a GRPO loop with in-place weight sync (stock vs rl_engine)"
+
+
 def add_parser(sub: Any) -> None:
-    _cli_common.add_subcommand(
-        sub,
-        "grpo",
-        "run a GRPO loop with in-place weight sync (stock vs rl_engine)",
-        add_arguments,
-        run,
-    )
+    _cli_common.add_subcommand(sub, "grpo", SUMMARY, add_arguments, run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -258,14 +255,19 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"rl-engine grpo: a worker failed: {exc}", file=sys.stderr)
             return 3
-        from rl_engine.rl.plots import grpo_figure
 
-        os.makedirs(out_dir, exist_ok=True)
-        _cli_common.write_figure(
-            lambda path: grpo_figure(report, path), workdir, out_dir, "grpo.png"
+        def figure(path: str) -> None:  # plots import matplotlib: inside, after the numbers
+            from rl_engine.rl.plots import grpo_figure
+
+            grpo_figure(report, path)
+
+        written = _cli_common.write_outputs(
+            "rl-engine grpo",
+            out_dir,
+            workdir,
+            [("grpo.json", json.dumps(report, indent=1))],
+            [("grpo.png", figure)],
         )
-        with open(os.path.join(out_dir, "grpo.json"), "w") as f:
-            json.dump(report, f, indent=1)
     print()
     for name, res in report["configurations"].items():
         s = res["summary"]
@@ -277,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             f"{s['train_seconds_mean']:.2f} s; vLLM CUDA graphs: "
             f"{'on' if res.get('vllm_cuda_graphs') else 'off'}"
         )
-    print(f"wrote {out_dir}/grpo.json, grpo.png")
+    print(f"wrote {out_dir}/" + ", ".join(written))
     rl = report["configurations"].get("rl_engine")
     if rl is not None and not rl["summary"]["ratio_exactly_one_every_step"]:
         print("rl_engine: the importance ratio was NOT exactly 1 on every token")
