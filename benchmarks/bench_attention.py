@@ -119,13 +119,12 @@ def prefill(args, b: int, backend: str = "triton") -> dict:
         "fwd_ratio_vs_sdpa": tm["sdpa_fwd"] / tm["fwd"],
         "fwd_bwd_ratio_vs_sdpa": tm["sdpa_fwd_bwd"] / tm["fwd_bwd"],
     }
-    print(
-        f"attention[{backend}] prefill B={b} L={SEQ}: fwd {tm['fwd']:9.1f} us ({r['fwd_tflop_s']:.0f} TFLOP/s,"
-        f" {r['fwd_ratio_vs_sdpa']:.2f}x sdpa)  fwd+bwd {tm['fwd_bwd']:9.1f} us "
-        f"({r['fwd_bwd_ratio_vs_sdpa']:.2f}x sdpa) [{baseline}]",
-        flush=True,
+    return common.progress(
+        r,
+        "attention[{provider}] prefill B={batch} L={seq}: fwd {fwd_us:9.1f} us "
+        "({fwd_tflop_s:.0f} TFLOP/s, {fwd_ratio_vs_sdpa:.2f}x sdpa)  fwd+bwd {fwd_bwd_us:9.1f} us "
+        "({fwd_bwd_ratio_vs_sdpa:.2f}x sdpa) [{baseline}]",
     )
-    return r
 
 
 def decode(args, copy_tb_s: float, backend: str = "triton") -> dict:
@@ -189,13 +188,12 @@ def decode(args, copy_tb_s: float, backend: str = "triton") -> dict:
     cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
     full = attention(q0, k0, v0, cu, backend=backend)
     r["decode_equals_prefill"] = bool(torch.equal(ours()[0], full[-1]))
-    print(
-        f"attention[{backend}] decode {n} x {ctx} page {bs}: {t:9.1f} us, KV {r['kv_tb_s']:.2f} TB/s "
-        f"({r['kv_bw_frac']:.2f} of copy), sdpa(contiguous) {t_sdpa:9.1f} us; "
-        f"decode == prefill: {r['decode_equals_prefill']}",
-        flush=True,
+    return common.progress(
+        r,
+        "attention[{provider}] decode {seqs} x {context} page {page}: {us:9.1f} us, "
+        "KV {kv_tb_s:.2f} TB/s ({kv_bw_frac:.2f} of copy), sdpa(contiguous) "
+        "{sdpa_contiguous_us:9.1f} us; decode == prefill: {decode_equals_prefill}",
     )
-    return r
 
 
 def plot(rows: list[dict], path: Path) -> None:

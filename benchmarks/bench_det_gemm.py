@@ -14,6 +14,7 @@ checks that all of them give bitwise-equal outputs (``DIR/det_gemm_sweep.json``)
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -30,106 +31,19 @@ from rl_engine.ops.det_gemm import triton as gemm_triton  # noqa: E402
 
 C = gemm_config.DetGemmConfig
 
-# Candidate configs per M (the sweep); the table's own config is always added. ``S`` = split over
-# K chunks (one program per tile and chunk + the ordered combine), ``T`` = persistent TMA.
-
-
-def _s(bm, bn, bk, g, w, st):
-    return C(bm, bn, bk, g, w, st, split_k=True)
-
-
-def _t(bm, bn, bk, g, w, st):
-    return C(bm, bn, bk, g, w, st, tma=True)
-
-
-def _ts(bm, bn, bk, g, w, st):
-    return C(bm, bn, bk, g, w, st, tma=True, split_k=True)
-
-
-def _f(bm, bn, bk, g, w, st):
-    return C(bm, bn, bk, g, w, st, flat_k=True)
-
-
-_SWEEP: dict[str, list[C]] = {
-    "tiny": [  # M <= 16
-        _s(16, 32, 128, 1, 2, 6),
-        _s(16, 64, 128, 1, 4, 4),
-        _s(16, 32, 256, 1, 4, 4),
-        _s(16, 128, 128, 1, 4, 4),
-        _s(16, 16, 256, 1, 2, 4),
-        _s(16, 64, 256, 1, 4, 3),
-        _f(16, 32, 128, 1, 2, 6),
-        _f(16, 64, 128, 1, 4, 6),
-    ],
-    "small": [  # M <= 64
-        _s(64, 64, 128, 1, 4, 4),
-        _s(32, 64, 128, 1, 4, 4),
-        _s(64, 32, 128, 1, 4, 4),
-        _s(64, 128, 64, 1, 4, 4),
-        _s(16, 64, 128, 1, 4, 4),
-        _s(64, 64, 64, 1, 4, 5),
-        _f(64, 32, 128, 1, 4, 4),
-        _f(16, 64, 128, 1, 4, 6),
-        _t(64, 128, 64, 1, 4, 4),
-        # narrow output tiles (small N with K in one chunk: programs = N / block_n)
-        _s(64, 32, 128, 8, 4, 4),
-        _s(64, 32, 256, 8, 4, 3),
-        _s(64, 32, 64, 8, 4, 6),
-        _s(64, 16, 128, 8, 4, 4),
-        _s(64, 16, 256, 8, 4, 3),
-        _s(32, 32, 128, 8, 4, 4),
-        _s(32, 16, 256, 8, 2, 4),
-        _s(16, 32, 128, 8, 2, 6),
-        _s(16, 16, 256, 8, 2, 4),
-        _f(64, 32, 128, 8, 4, 4),
-        _f(64, 16, 128, 8, 4, 4),
-    ],
-    "mid": [  # M <= 512
-        _s(64, 128, 64, 8, 4, 4),
-        _s(128, 128, 64, 8, 8, 4),
-        _s(128, 64, 64, 8, 4, 4),
-        _s(64, 64, 128, 8, 4, 4),
-        _s(64, 256, 64, 8, 8, 4),
-        _t(128, 128, 64, 8, 8, 4),
-        _t(64, 128, 64, 8, 4, 4),
-        _t(64, 256, 64, 8, 8, 4),
-        C(128, 128, 64, 8, 8, 4),
-        C(64, 128, 64, 8, 4, 4),
-        _t(128, 256, 64, 8, 8, 3),
-        C(128, 256, 64, 8, 8, 3),
-        # narrow output tiles: more programs when K is one chunk (no split to lean on)
-        _s(128, 64, 64, 1, 4, 4),
-        _s(128, 32, 128, 1, 4, 4),
-        _s(128, 64, 128, 1, 8, 3),
-        _s(64, 64, 128, 1, 4, 4),
-        _s(64, 32, 256, 1, 4, 3),
-        _s(32, 128, 128, 1, 4, 4),
-        _s(64, 32, 128, 8, 4, 4),
-        _s(128, 32, 64, 8, 4, 5),
-        _s(64, 64, 64, 8, 4, 6),
-        _s(128, 64, 64, 8, 8, 4),
-        _t(128, 64, 64, 8, 4, 4),
-        _t(64, 64, 128, 8, 4, 4),
-        # persistent TMA over (K chunk, tile) items: deep K with few rows
-        _ts(128, 128, 64, 8, 8, 4),
-        _ts(64, 128, 64, 8, 4, 4),
-        _ts(128, 256, 64, 8, 8, 3),
-        _ts(64, 64, 128, 8, 4, 4),
-    ],
-    "large": [  # M > 512
-        _t(128, 128, 64, 8, 8, 4),
-        _t(128, 128, 64, 8, 8, 5),
-        _t(128, 128, 64, 8, 8, 3),
-        _t(128, 128, 64, 16, 8, 4),
-        _t(128, 128, 128, 8, 8, 3),
-        _t(64, 256, 64, 8, 8, 4),
-        _t(128, 64, 64, 8, 4, 4),
-        C(128, 128, 64, 8, 8, 4),
-        _s(128, 128, 64, 8, 8, 4),
-        _t(128, 256, 64, 8, 8, 3),
-        _t(128, 256, 64, 8, 8, 4),
-    ],
+# Candidate configs per M (the sweep); the table's own config is always added. Each is written as
+# the sweep's JSON names it (``_cname``): the kind, block_m x block_n x block_k, ``g`` group_m,
+# ``w`` num_warps, ``s`` num_stages. Kinds: ``P`` pointer kernel, ``S`` = split over K chunks (one
+# program per tile and chunk + the ordered combine), ``T`` = persistent TMA, ``TS`` = both,
+# ``F`` = one flat K loop per program.
+_KINDS = {
+    "P": {},
+    "S": {"split_k": True},
+    "T": {"tma": True},
+    "TS": {"tma": True, "split_k": True},
+    "F": {"flat_k": True},
 }
+_NAME = re.compile(r"(P|S|TS|T|F)(\d+)x(\d+)x(\d+)g(\d+)w(\d+)s(\d+)")
 
 
 def _cname(c: C) -> str:
@@ -145,6 +59,49 @@ def _cname(c: C) -> str:
         else "P"
     )
     return f"{kind}{c.block_m}x{c.block_n}x{c.block_k}g{c.group_m}w{c.num_warps}s{c.num_stages}"
+
+
+def _configs(*names: str) -> list[C]:
+    """The configs of whitespace-separated ``_cname`` names (``S16x32x128g1w2s6``), in order."""
+    out = []
+    for name in " ".join(names).split():
+        kind, *sizes = _NAME.fullmatch(name).groups()
+        cfg = C(*map(int, sizes), **_KINDS[kind])
+        assert _cname(cfg) == name, name
+        out.append(cfg)
+    return out
+
+
+_SWEEP: dict[str, list[C]] = {
+    "tiny": _configs(  # M <= 16
+        "S16x32x128g1w2s6 S16x64x128g1w4s4 S16x32x256g1w4s4 S16x128x128g1w4s4",
+        "S16x16x256g1w2s4 S16x64x256g1w4s3 F16x32x128g1w2s6 F16x64x128g1w4s6",
+    ),
+    "small": _configs(  # M <= 64
+        "S64x64x128g1w4s4 S32x64x128g1w4s4 S64x32x128g1w4s4 S64x128x64g1w4s4 S16x64x128g1w4s4",
+        "S64x64x64g1w4s5 F64x32x128g1w4s4 F16x64x128g1w4s6 T64x128x64g1w4s4",
+        # narrow output tiles (small N with K in one chunk: programs = N / block_n)
+        "S64x32x128g8w4s4 S64x32x256g8w4s3 S64x32x64g8w4s6 S64x16x128g8w4s4 S64x16x256g8w4s3",
+        "S32x32x128g8w4s4 S32x16x256g8w2s4 S16x32x128g8w2s6 S16x16x256g8w2s4",
+        "F64x32x128g8w4s4 F64x16x128g8w4s4",
+    ),
+    "mid": _configs(  # M <= 512
+        "S64x128x64g8w4s4 S128x128x64g8w8s4 S128x64x64g8w4s4 S64x64x128g8w4s4 S64x256x64g8w8s4",
+        "T128x128x64g8w8s4 T64x128x64g8w4s4 T64x256x64g8w8s4",
+        "P128x128x64g8w8s4 P64x128x64g8w4s4 T128x256x64g8w8s3 P128x256x64g8w8s3",
+        # narrow output tiles: more programs when K is one chunk (no split to lean on)
+        "S128x64x64g1w4s4 S128x32x128g1w4s4 S128x64x128g1w8s3 S64x64x128g1w4s4 S64x32x256g1w4s3",
+        "S32x128x128g1w4s4 S64x32x128g8w4s4 S128x32x64g8w4s5 S64x64x64g8w4s6 S128x64x64g8w8s4",
+        "T128x64x64g8w4s4 T64x64x128g8w4s4",
+        # persistent TMA over (K chunk, tile) items: deep K with few rows
+        "TS128x128x64g8w8s4 TS64x128x64g8w4s4 TS128x256x64g8w8s3 TS64x64x128g8w4s4",
+    ),
+    "large": _configs(  # M > 512
+        "T128x128x64g8w8s4 T128x128x64g8w8s5 T128x128x64g8w8s3 T128x128x64g16w8s4",
+        "T128x128x128g8w8s3 T64x256x64g8w8s4 T128x64x64g8w4s4 P128x128x64g8w8s4",
+        "S128x128x64g8w8s4 T128x256x64g8w8s3 T128x256x64g8w8s4",
+    ),
+}
 
 
 def _bucket(m: int) -> str:

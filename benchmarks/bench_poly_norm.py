@@ -95,17 +95,14 @@ def _case(args, copy_tb_s: float, m: int, h: int, fused: bool) -> dict:
     nbytes = {"fwd": (n_in + 1) * m * h * e, "bwd": (2 * n_in + 1) * m * h * e + 16 * m}
     r = {"m": m, "h": h, "fused_mul": fused, "dtype": "bf16"}
     r.update({f"{k}_us": v for k, v in t.items()})
-    for k in ("fwd", "bwd"):
-        r[f"{k}_bw_frac"] = nbytes[k] / (t[k] * 1e-6) / 1e12 / copy_tb_s
-        r[f"{k}_ratio_vs_compiled"] = t[f"compiled_{k}"] / t[k]
-    name = "fused_mul_poly_norm" if fused else "poly_norm"
-    print(
-        f"{name:19s} M={m:6d} H={h:5d}  fwd {t['fwd']:8.1f} us ({r['fwd_bw_frac']:.2f} copy, "
-        f"{r['fwd_ratio_vs_compiled']:.2f}x compiled)  bwd {t['bwd']:8.1f} us "
-        f"({r['bwd_bw_frac']:.2f} copy, {r['bwd_ratio_vs_compiled']:.2f}x compiled)",
-        flush=True,
+    common.vs_baseline(r, t, nbytes, copy_tb_s, ("fwd", "bwd"), "compiled")
+    return common.progress(
+        r,
+        "{name:19s} M={m:6d} H={h:5d}  fwd {fwd_us:8.1f} us ({fwd_bw_frac:.2f} copy, "
+        "{fwd_ratio_vs_compiled:.2f}x compiled)  bwd {bwd_us:8.1f} us ({bwd_bw_frac:.2f} copy, "
+        "{bwd_ratio_vs_compiled:.2f}x compiled)",
+        name="fused_mul_poly_norm" if fused else "poly_norm",
     )
-    return r
 
 
 def run(args, copy_tb_s: float) -> list[dict]:
@@ -137,8 +134,7 @@ def summarize(rows: list[dict]) -> dict:
         for f in (False, True)
         for k in ("fwd", "bwd")
     }
-    summary.update(common.geomeans(rows, geomean_fwd_vs_compiled="fwd_ratio_vs_compiled",
-                                   geomean_bwd_vs_compiled="bwd_ratio_vs_compiled"))  # fmt: skip
+    summary.update(common.ratio_geomeans(rows, ("fwd", "bwd"), "compiled"))
     return summary
 
 
@@ -146,7 +142,7 @@ def main() -> None:
     common.op_main(
         __doc__, "bench_poly_norm", "poly_norm", run, summarize, plot=plot,
         baseline="torch.compile of the fp32 PolyNorm formula (+ its autograd)",
-        ratio="compiled_us / triton_us (higher is better)",
+        ratio=common.ratio_definition("compiled"),
         bw="minimum bytes / time / measured copy bandwidth", target_bw_frac=0.85,
     )  # fmt: skip
 

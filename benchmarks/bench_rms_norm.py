@@ -107,22 +107,18 @@ def _case(args, copy_tb_s: float, m: int, h: int) -> dict:
         ),
     }
     r = {"m": m, "h": h, "dtype": "bf16", **{f"{k}_us": v for k, v in t.items()}}
-    for k in ("fwd", "fused_fwd", "bwd", "fused_bwd"):
-        r[f"{k}_bw_frac"] = nbytes[k] / (t[k] * 1e-6) / 1e12 / copy_tb_s
-        r[f"{k}_ratio_vs_stock"] = t[f"stock_{k}"] / t[k]
-    r["bwd_kernels_bw_frac"] = nbytes["bwd_kernels"] / (t["bwd"] * 1e-6) / 1e12 / copy_tb_s
-    r["bwd_separate_bw_frac"] = nbytes["bwd"] / (t["bwd_separate"] * 1e-6) / 1e12 / copy_tb_s
-    r["dx_bw_frac"] = nbytes["bwd"] / (t["dx"] * 1e-6) / 1e12 / copy_tb_s
-    print(
-        f"rms_norm M={m:6d} H={h:5d}  fwd {t['fwd']:8.1f} us ({r['fwd_bw_frac']:.2f} copy, "
-        f"{r['fwd_ratio_vs_stock']:.2f}x stock)  fused {r['fused_fwd_bw_frac']:.2f}  "
-        f"bwd {t['bwd']:8.1f} us ({r['bwd_bw_frac']:.2f} min-bytes, "
-        f"{r['bwd_kernels_bw_frac']:.2f} kernel-bytes, {r['bwd_ratio_vs_stock']:.2f}x stock; "
-        f"separate kernels {r['bwd_separate_bw_frac']:.2f})  "
-        f"fused bwd {r['fused_bwd_bw_frac']:.2f} ({r['fused_bwd_ratio_vs_stock']:.2f}x stock)",
-        flush=True,
+    common.vs_baseline(r, t, nbytes, copy_tb_s, ("fwd", "fused_fwd", "bwd", "fused_bwd"))
+    r["bwd_kernels_bw_frac"] = common.bw_frac(nbytes["bwd_kernels"], t["bwd"], copy_tb_s)
+    r["bwd_separate_bw_frac"] = common.bw_frac(nbytes["bwd"], t["bwd_separate"], copy_tb_s)
+    r["dx_bw_frac"] = common.bw_frac(nbytes["bwd"], t["dx"], copy_tb_s)
+    return common.progress(
+        r,
+        "rms_norm M={m:6d} H={h:5d}  fwd {fwd_us:8.1f} us ({fwd_bw_frac:.2f} copy, "
+        "{fwd_ratio_vs_stock:.2f}x stock)  fused {fused_fwd_bw_frac:.2f}  bwd {bwd_us:8.1f} us "
+        "({bwd_bw_frac:.2f} min-bytes, {bwd_kernels_bw_frac:.2f} kernel-bytes, "
+        "{bwd_ratio_vs_stock:.2f}x stock; separate kernels {bwd_separate_bw_frac:.2f})  "
+        "fused bwd {fused_bwd_bw_frac:.2f} ({fused_bwd_ratio_vs_stock:.2f}x stock)",
     )
-    return r
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -141,17 +137,15 @@ def summarize(rows: list[dict]) -> dict:
         "accept_bwd_separate_bw_frac": acc["bwd_separate_bw_frac"],
         "accept_fused_bwd_bw_frac": acc["fused_bwd_bw_frac"],
         "accept_dx_bw_frac": acc["dx_bw_frac"],
-        **common.geomeans(rows, geomean_fwd_vs_stock="fwd_ratio_vs_stock",
-                          geomean_bwd_vs_stock="bwd_ratio_vs_stock",
-                          geomean_fused_bwd_vs_stock="fused_bwd_ratio_vs_stock"),
-    }  # fmt: skip
+        **common.ratio_geomeans(rows, ("fwd", "bwd", "fused_bwd")),
+    }
 
 
 def main() -> None:
     common.op_main(
         __doc__, "bench_rms_norm", "rms_norm", run, summarize, plot=plot,
         baseline="torch.nn.functional.rms_norm (+ autograd for backward)",
-        ratio="stock_us / triton_us (higher is better)",
+        ratio=common.ratio_definition("stock"),
         bw="minimum bytes of the op / time / measured copy bandwidth",
         backward_definition="torch.autograd.grad over a recorded graph (forward not timed)",
     )  # fmt: skip

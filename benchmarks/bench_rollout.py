@@ -36,8 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from rl_engine.testing.tiny_models import family_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
+
+from shapes import QWEN2_1B  # noqa: E402
 
 CONFIGS = {
     "stock": {"RL_ENGINE_VLLM": "0"},
@@ -47,19 +51,7 @@ CONFIGS = {
     # list: --configs stock,rl_engine,rl_engine_split)
     "rl_engine_split": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_BACKEND_ATTENTION": "triton_split"},
 }
-MODEL = dict(
-    arch="qwen2",
-    tie_word_embeddings=True,
-    num_hidden_layers=16,
-    hidden_size=2048,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=5632,
-    vocab_size=151936,
-    rope_theta=1000000.0,
-    max_position_embeddings=4096,
-)
+MODEL = family_config("qwen2", **QWEN2_1B, max_positions=4096)
 PROMPT_LEN = 128
 
 

@@ -72,13 +72,12 @@ def _case(args, copy_tb_s: float, t: int, nh: int, hd: int) -> dict:
         "ratio_vs_native": tm["native"] / tm["triton"],
         "bitwise_equal_native": same,
     }
-    print(
-        f"rope T={t:6d} heads={nh:3d}x{hd}  triton {tm['triton']:8.1f} us "
-        f"({r['bw_frac']:.2f} copy, {r['ratio_vs_stock']:.2f}x stock, "
-        f"{r['ratio_vs_native']:.1f}x native, == native: {same})",
-        flush=True,
+    return common.progress(
+        r,
+        "rope T={tokens:6d} heads={heads:3d}x{head_dim}  triton {triton_us:8.1f} us "
+        "({bw_frac:.2f} copy, {ratio_vs_stock:.2f}x stock, {ratio_vs_native:.1f}x native, "
+        "== native: {bitwise_equal_native})",
     )
-    return r
 
 
 # q / k of one attention layer (bench_rollout's ~1B Qwen2: 16 query, 8 KV heads of 128)
@@ -133,12 +132,11 @@ def _qk_case(args, t: int) -> dict:
         "speedup_vs_two_launches": tm["two_launches"] / tm["rope_qk"],
         "bitwise_equal_native": same,
     }
-    print(
-        f"rope_qk T={t:6d} {hq}+{hk}x{hd}: one launch {tm['rope_qk']:7.1f} us, two "
-        f"{tm['two_launches']:7.1f} us (== native: {same})",
-        flush=True,
+    return common.progress(
+        r,
+        "rope_qk T={tokens:6d} {q_heads}+{k_heads}x{head_dim}: one launch {rope_qk_us:7.1f} us, "
+        "two {two_launches_us:7.1f} us (== native: {bitwise_equal_native})",
     )
-    return r
 
 
 def plot(rows: list[dict], path: Path) -> None:

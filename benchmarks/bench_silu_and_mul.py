@@ -56,17 +56,13 @@ def _case(args, copy_tb_s: float, m: int, d: int) -> dict:
     }
     nbytes = {"fwd": 3 * m * d * e, "bwd": 5 * m * d * e}
     r = {"m": m, "d": d, "dtype": "bf16", **{f"{k}_us": v for k, v in t.items()}}
-    for k in ("fwd", "bwd"):
-        r[f"{k}_bw_frac"] = nbytes[k] / (t[k] * 1e-6) / 1e12 / copy_tb_s
-        r[f"{k}_ratio_vs_stock"] = t[f"stock_{k}"] / t[k]
-    print(
-        f"silu_and_mul M={m:6d} D={d:5d}  fwd {t['fwd']:8.1f} us "
-        f"({r['fwd_bw_frac']:.2f} copy, {r['fwd_ratio_vs_stock']:.2f}x stock)  "
-        f"bwd {t['bwd']:8.1f} us ({r['bwd_bw_frac']:.2f} copy, "
-        f"{r['bwd_ratio_vs_stock']:.2f}x stock)",
-        flush=True,
+    common.vs_baseline(r, t, nbytes, copy_tb_s, ("fwd", "bwd"))
+    return common.progress(
+        r,
+        "silu_and_mul M={m:6d} D={d:5d}  fwd {fwd_us:8.1f} us ({fwd_bw_frac:.2f} copy, "
+        "{fwd_ratio_vs_stock:.2f}x stock)  bwd {bwd_us:8.1f} us ({bwd_bw_frac:.2f} copy, "
+        "{bwd_ratio_vs_stock:.2f}x stock)",
     )
-    return r
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -79,8 +75,7 @@ def summarize(rows: list[dict]) -> dict:
     return {
         **common.geomeans(big, fwd_bw_frac_large_rows="fwd_bw_frac",
                           bwd_bw_frac_large_rows="bwd_bw_frac"),
-        **common.geomeans(rows, geomean_fwd_vs_stock="fwd_ratio_vs_stock",
-                          geomean_bwd_vs_stock="bwd_ratio_vs_stock"),
+        **common.ratio_geomeans(rows, ("fwd", "bwd")),
     }  # fmt: skip
 
 
@@ -88,7 +83,7 @@ def main() -> None:
     common.op_main(
         __doc__, "bench_silu_and_mul", "silu_and_mul", run, summarize, plot=plot,
         baseline="F.silu(x[..., :D]) * x[..., D:] (+ autograd for backward)",
-        ratio="stock_us / triton_us (higher is better)",
+        ratio=common.ratio_definition("stock"),
         bw="bytes moved / time / measured copy bandwidth",
     )  # fmt: skip
 

@@ -25,17 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from shapes import QWEN2_1B  # noqa: E402
 
-MODEL = dict(
-    layers=16,
-    hidden=2048,
-    heads=16,
-    kv_heads=8,
-    ffn=5632,
-    vocab=151936,
-    seq=4096,
-    theta=1_000_000.0,
-)
+MODEL = dict(**QWEN2_1B, vocab=151936, seq=4096, theta=1_000_000.0)
 
 
 def _setup_megatron() -> None:

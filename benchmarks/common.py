@@ -252,6 +252,41 @@ def geomeans(rows: Sequence[dict[str, Any]], **keys: str) -> dict[str, float]:
     return {name: geomean([r[key] for r in rows]) for name, key in keys.items()}
 
 
+def bw_frac(nbytes: float, us: float, copy_tb_s: float) -> float:
+    """``nbytes`` moved in ``us`` microseconds, as a fraction of the measured copy bandwidth."""
+    return nbytes / (us * 1e-6) / 1e12 / copy_tb_s
+
+
+def vs_baseline(row: dict[str, Any], t: dict[str, float], nbytes: dict[str, float],
+                copy_tb_s: float, keys: Sequence[str], baseline: str = "stock") -> None:  # fmt: skip
+    """For each ``k`` of ``keys``: ``row[f"{k}_bw_frac"]`` (:func:`bw_frac` of ``nbytes[k]`` in
+    ``t[k]``) and ``row[f"{k}_ratio_vs_{baseline}"]`` = ``t[f"{baseline}_{k}"] / t[k]`` (higher:
+    faster than the baseline)."""
+    for k in keys:
+        row[f"{k}_bw_frac"] = bw_frac(nbytes[k], t[k], copy_tb_s)
+        row[f"{k}_ratio_vs_{baseline}"] = t[f"{baseline}_{k}"] / t[k]
+
+
+def ratio_geomeans(rows: Sequence[dict[str, Any]], keys: Sequence[str],
+                   baseline: str = "stock") -> dict[str, float]:  # fmt: skip
+    """``geomean_{k}_vs_{baseline}``: the geomean of the :func:`vs_baseline` ratio of each ``k``
+    of ``keys`` over ``rows``."""
+    names = {f"geomean_{k}_vs_{baseline}": f"{k}_ratio_vs_{baseline}" for k in keys}
+    return geomeans(rows, **names)
+
+
+def ratio_definition(baseline: str) -> str:
+    """The JSON's ``ratio_definition`` of :func:`vs_baseline`'s ratios."""
+    return f"{baseline}_us / triton_us (higher is better)"
+
+
+def progress(row: dict[str, Any], line: str, **extra: Any) -> dict[str, Any]:
+    """Print a measured case's progress line, ``line.format(**row, **extra)`` (flushed, so a
+    long sweep shows where it is), and return ``row``."""
+    print(line.format(**row, **extra), flush=True)
+    return row
+
+
 def finish_op(args: argparse.Namespace, limits: dict[str, float], op: str, *, baseline: str,
               ratio: str, bw: str, summary: dict[str, Any], rows: list[dict],
               plot: Callable[[list[dict], Path], None] | None, digits: int | None = 3,

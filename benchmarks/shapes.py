@@ -35,6 +35,10 @@ EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
     GemmShape("llama3-8b.lm_head", 4096, 128256),
 )
 
+# The ~1B Qwen2-shaped model of benchmarks/bench_rollout.py and bench_trainer.py (each adds its
+# vocabulary, RoPE base and sequence length).
+QWEN2_1B = dict(layers=16, hidden=2048, heads=16, kv_heads=8, ffn=5632)
+
 # The projections of benchmarks/bench_rollout.py's ~1B Qwen2-shaped model (hidden 2048, 16 / 8
 # heads of 128, FFN 5632): what a decode step multiplies (fused QKV and gate-up as vLLM runs them).
 ROLLOUT_GEMM_SHAPES: tuple[GemmShape, ...] = (

@@ -113,9 +113,14 @@ def _sdpa_fwd_us(x: dict[str, Any], quick: bool) -> float:
     )
 
 
-def _sweep(name: str, run, cands: list[Cfg], quick: bool, work: float, unit: str) -> dict:
-    """Every candidate: bitwise vs the shipped launch, run twice, timed; ``work`` / time in
+def _sweep(
+    name: str, launch, x: dict[str, Any], decode: bool, quick: bool, work: float, unit: str
+) -> dict:
+    """Every candidate of :func:`candidates` (``decode`` or prefill) launched by
+    ``launch(x, cfg)``: bitwise vs the shipped launch, run twice, timed; ``work`` / time in
     ``unit`` (TFLOP/s or TB/s)."""
+    cands = candidates(decode, quick)
+    run = functools.partial(launch, x)
     ref = run(cands[0])
     rows = []
     for c in cands:
@@ -145,14 +150,7 @@ def main() -> None:
     for b, s, hq, hkv in PREFILL:
         x = _prefill_inputs(b, s, hq, hkv)
         flop = 4 * D * b * hq * s * s / 2  # QK^T and PV, causal half
-        res = _sweep(
-            f"prefill {b}x{s} {hq}/{hkv}",
-            functools.partial(_prefill, x),
-            candidates(False, args.quick),
-            args.quick,
-            flop,
-            "tflop_s",
-        )
+        res = _sweep(f"prefill {b}x{s} {hq}/{hkv}", _prefill, x, False, args.quick, flop, "tflop_s")
         res["sdpa_fwd_us"] = _sdpa_fwd_us(x, args.quick)
         report["cases"].append(res)
         del x
@@ -160,14 +158,7 @@ def main() -> None:
     n, ctx, _, _, hkv = DECODE
     kv_bytes = 2 * n * ctx * hkv * D * 2
     report["cases"].append(
-        _sweep(
-            f"decode {n}x{ctx}",
-            functools.partial(_decode, x),
-            candidates(True, args.quick),
-            args.quick,
-            kv_bytes,
-            "tb_s",
-        )
+        _sweep(f"decode {n}x{ctx}", _decode, x, True, args.quick, kv_bytes, "tb_s")
     )
     for c in report["cases"]:
         best, shipped = c["best"], c["shipped"]

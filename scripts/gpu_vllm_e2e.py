@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from rl_engine.testing.tiny_models import family_config
+
 ROOT = Path(__file__).resolve().parent.parent
 TEMPERATURE = 0.7
 N_PROMPTS = 16
@@ -48,32 +50,8 @@ BUDGET = 256  # max_num_batched_tokens: forces chunked prefill of the long promp
 PREFIX_LEN = 96
 
 MODELS = {
-    "qwen2": dict(
-        arch="qwen2",
-        tie_word_embeddings=True,
-        num_hidden_layers=4,
-        hidden_size=1536,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=8960,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-    ),
-    "llama": dict(
-        arch="llama",
-        tie_word_embeddings=False,
-        num_hidden_layers=4,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=5632,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        max_position_embeddings=2048,
-    ),
+    "qwen2": family_config("qwen2", layers=4, hidden=1536, heads=12, kv_heads=2, ffn=8960),
+    "llama": family_config("llama", layers=4, hidden=2048, heads=16, kv_heads=8, ffn=5632),
 }
 
 

@@ -164,3 +164,30 @@ def test_op_main_without_cuda_measures_nothing(tmp_path, monkeypatch, capsys):
     common.op_main("Doc.", "bench_fake", "fake", never, never, more=never, plot=never)
     assert capsys.readouterr().out == "bench_fake: no CUDA device; nothing to measure\n"
     assert not (tmp_path / "fake.json").exists()
+
+
+def test_vs_baseline_columns_and_geomeans():
+    """``common.vs_baseline``: per key the bandwidth fraction and the baseline / ours ratio, named
+    as the op benchmarks write them; ``ratio_geomeans`` and ``ratio_definition`` name the same."""
+    common = importlib.import_module("common")
+    t = {"fwd": 2.0, "bwd": 4.0, "compiled_fwd": 3.0, "compiled_bwd": 2.0}
+    row: dict = {"m": 1}
+    common.vs_baseline(row, t, {"fwd": 5e6, "bwd": 8e6}, 2.5, ("fwd", "bwd"), "compiled")
+    assert list(row) == ["m", "fwd_bw_frac", "fwd_ratio_vs_compiled", "bwd_bw_frac",
+                         "bwd_ratio_vs_compiled"]  # fmt: skip
+    assert row["fwd_bw_frac"] == 5e6 / (2.0 * 1e-6) / 1e12 / 2.5 == common.bw_frac(5e6, 2.0, 2.5)
+    assert row["fwd_ratio_vs_compiled"] == 1.5 and row["bwd_ratio_vs_compiled"] == 0.5
+    other = {"fwd_ratio_vs_compiled": 6.0, "bwd_ratio_vs_compiled": 2.0}
+    got = common.ratio_geomeans([row, other], ("fwd", "bwd"), "compiled")
+    assert list(got) == ["geomean_fwd_vs_compiled", "geomean_bwd_vs_compiled"]
+    assert got["geomean_fwd_vs_compiled"] == common.geomean([1.5, 6.0])
+    assert common.ratio_definition("stock") == "stock_us / triton_us (higher is better)"
+
+
+def test_progress_prints_the_row_and_returns_it(capsys):
+    """``common.progress``: a case's line formatted from its row (and extra fields), flushed."""
+    common = importlib.import_module("common")
+    row = {"m": 16, "fwd_us": 12.345, "same": True}
+    line = "{name} M={m:6d} fwd {fwd_us:8.1f} us (== native: {same})"
+    assert common.progress(row, line, name="op") is row
+    assert capsys.readouterr().out == "op M=    16 fwd     12.3 us (== native: True)\n"

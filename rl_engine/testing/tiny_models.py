@@ -117,3 +117,43 @@ def make_tiny_model(
             indent=1,
         )
     return path
+
+
+# Vocabulary, RoPE base and embedding tying of the released families that the larger random
+# models (benchmarks, GPU end-to-end checks) take their shape from: Qwen2 and Llama 3.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": {"tie_word_embeddings": True, "vocab_size": 151936, "rope_theta": 1000000.0},
+    "llama": {"tie_word_embeddings": False, "vocab_size": 128256, "rope_theta": 500000.0},
+}
+
+
+def family_config(
+    arch: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    head_dim: int = 128,
+    max_positions: int = 2048,
+) -> dict[str, Any]:
+    """``make_tiny_model`` keyword arguments (``arch`` and config fields) for a model of these
+    sizes with the vocabulary, RoPE base and embedding tying of the ``arch`` family (``qwen2``:
+    151936, 1e6, tied; ``llama``, as Llama 3: 128256, 5e5, untied)."""
+    if arch not in _FAMILIES:
+        raise ValueError(f"no family defaults for arch {arch!r}; known: {sorted(_FAMILIES)}")
+    family = _FAMILIES[arch]
+    return {
+        "arch": arch,
+        "tie_word_embeddings": family["tie_word_embeddings"],
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": ffn,
+        "vocab_size": family["vocab_size"],
+        "rope_theta": family["rope_theta"],
+        "max_position_embeddings": max_positions,
+    }

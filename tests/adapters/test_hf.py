@@ -25,19 +25,8 @@ CASES = [
 ]
 
 
-def _ids(c):
-    return f"{c[0]}-{c[1]}-tied{int(c[2])}"
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {c: make_tiny_model(root / _ids(c), c[0], c[1], c[2], seed=5) for c in CASES}
-
-
-@pytest.fixture(scope="module")
-def models(ckpts):
-    return {c: tc.load_hf(p, c[1]) for c, p in ckpts.items()}
+ckpts = tc.case_ckpts_fixture(CASES, seed=5, folder="ckpt")
+models = tc.hf_models_fixture("ckpts")
 
 
 def _lp(model, temperature=0.7):
@@ -113,7 +102,7 @@ def test_deepcopy_reference_model_uses_its_own_weights(ckpts):
     assert getattr(policy.model.layers[0].self_attn.forward, "_rl_engine_patched", False)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=tc.case_id)
 def test_micro_batch_and_layout_invariance(models, case):
     """Bitwise equal across micro-batch sizes {1, 2, 5}, packed, right- and left-padded."""
     model = models[case]

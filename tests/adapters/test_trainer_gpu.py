@@ -104,10 +104,6 @@ TRAINER_OPS = ("det_gemm", "rms_norm", "rope", "silu_and_mul", "attention", "lin
 TEMP = 0.7
 
 
-def _case_id(c):
-    return f"{c[0]}-{c[1]}-tied{int(c[2])}"
-
-
 def _assert_triton(op_types=TRAINER_OPS):
     """Every default (non-pinned) CUDA resolution of ``op_types`` in this test chose ``triton``."""
     got: dict[str, set[str]] = {}
@@ -138,15 +134,8 @@ def megatron():
     return ma
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {c: make_tiny_model(root / _case_id(c), c[0], c[1], c[2], seed=3) for c in CASES}
-
-
-@pytest.fixture(scope="module")
-def hf_models(tiny_ckpts):
-    return {c: tc.load_hf(p, c[1], device="cuda") for c, p in tiny_ckpts.items()}
+tiny_ckpts = tc.case_ckpts_fixture(CASES, seed=3, folder="tiny")
+hf_models = tc.hf_models_fixture("tiny_ckpts", device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +166,7 @@ def _check_layouts(token_logprobs, model):
     return seqs, ref
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=tc.case_id)
 def test_hf_micro_batch_and_layout_invariance_cuda(hf_models, case):
     """HF adapter on CUDA: bitwise equal across micro-batch sizes {1, 2, 5}, packed
     (cu_seqlens), packed via restarting position ids, right- and left-padded; Triton ops."""
@@ -187,7 +176,7 @@ def test_hf_micro_batch_and_layout_invariance_cuda(hf_models, case):
     _assert_triton(TRAINER_OPS + ("logp",))
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=tc.case_id)
 def test_megatron_micro_batch_and_layout_invariance_cuda(megatron, meg_models, case):
     """Megatron adapter on CUDA: bitwise equal across micro-batch sizes {1, 2, 5}, packed
     (cu_seqlens), right- and left-padded; every op resolved to Triton."""
@@ -195,7 +184,7 @@ def test_megatron_micro_batch_and_layout_invariance_cuda(megatron, meg_models, c
     _assert_triton()
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=tc.case_id)
 def test_megatron_matches_hf_adapter_cuda(megatron, meg_models, hf_models, case):
     """Megatron adapter == HF adapter on CUDA, bitwise (same checkpoint), right-padded (one
     [T, B] batch in Megatron) and left-padded (unpadded into packed sequences)."""
@@ -205,11 +194,11 @@ def test_megatron_matches_hf_adapter_cuda(megatron, meg_models, hf_models, case)
         with torch.no_grad():
             a = megatron.token_logprobs(meg_models[case], ids, 1.0, attention_mask=mask)
             b = ha.token_logprobs(hf_models[case], ids, 1.0, attention_mask=mask)
-        assert_bitwise(a, b, f"megatron vs hf {_case_id(case)} ({name} padded)")
+        assert_bitwise(a, b, f"megatron vs hf {tc.case_id(case)} ({name} padded)")
     _assert_triton()
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=tc.case_id)
 def test_stock_hf_mismatches_cuda(hf_models, tiny_ckpts, case):
     """The "before" picture on CUDA: the stock (unpatched) transformers model's log-probs
     (``logp`` on its logits) differ across micro-batch sizes or from the patched model's."""
@@ -268,7 +257,7 @@ def _check_backward_deterministic(model, lp_fn, probe: str, then=None):
         model.eval()
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
+@pytest.mark.parametrize("case", CASES[:2], ids=tc.case_id)
 def test_hf_backward_deterministic_cuda(hf_models, case):
     """HF adapter on CUDA: gradients (and log-probs) bitwise equal run to run."""
     _check_backward_deterministic(
@@ -277,7 +266,7 @@ def test_hf_backward_deterministic_cuda(hf_models, case):
     _assert_triton()
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=_case_id)
+@pytest.mark.parametrize("case", CASES[:2], ids=tc.case_id)
 def test_megatron_backward_deterministic_cuda(megatron, meg_models, case):
     """Megatron adapter on CUDA: gradients bitwise equal run to run; the forward ignores extra
     right padding (see test_megatron.test_backward_deterministic for why only that)."""

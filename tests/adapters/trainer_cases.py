@@ -179,6 +179,37 @@ def tiny_model_fixture(arch: str, shape: dict):
     return model
 
 
+def case_id(case) -> str:
+    """The test id of an ``(arch, dtype, tied)`` case: ``llama-float32-tied0``."""
+    return f"{case[0]}-{case[1]}-tied{int(case[2])}"
+
+
+def case_ckpts_fixture(cases, *, seed: int, folder: str):
+    """A module-scoped fixture: ``{case: folder}`` of a tiny random checkpoint (``seed``) for
+    each ``(arch, dtype, tied)`` case of ``cases``, under a temporary ``folder``. In a test
+    module: ``ckpts = case_ckpts_fixture(CASES, seed=5, folder="ckpt")``."""
+
+    @pytest.fixture(scope="module")
+    def ckpts(tmp_path_factory):
+        root = tmp_path_factory.mktemp(folder)
+        return {c: make_tiny_model(root / case_id(c), c[0], c[1], c[2], seed=seed) for c in cases}
+
+    return ckpts
+
+
+def hf_models_fixture(ckpts: str, device: str = "cpu"):
+    """A module-scoped fixture: ``{case: model}``, the checkpoints of the fixture named ``ckpts``
+    (see :func:`case_ckpts_fixture`) loaded by :func:`load_hf` in the case's dtype on ``device``,
+    patched. In a test module: ``models = hf_models_fixture("ckpts")``."""
+
+    @pytest.fixture(scope="module")
+    def models(request):
+        paths = request.getfixturevalue(ckpts)
+        return {c: load_hf(p, c[1], device=device) for c, p in paths.items()}
+
+    return models
+
+
 def load_hf(path, dtype: str, patch: bool = True, device: str = "cpu"):
     """The checkpoint at ``path`` as a transformers causal LM in ``dtype`` (a name) on
     ``device``, in eval mode, patched by the HF adapter unless ``patch`` is false."""
