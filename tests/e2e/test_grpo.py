@@ -229,3 +229,29 @@ def test_megatron_to_hf_state_inverts_the_loader(tmp_path, arch, tied):
     assert set(back) == set(hf)
     for k, v in hf.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_grpo_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
+    """grpo.json is on disk before the figure is tried; a failing figure warns and the run
+    still reports (it was drawn first once, so a plotting failure lost the numbers)."""
+    import argparse
+
+    from rl_engine.rl import cli, plots
+
+    summary = dict(ratio_min=1.0, ratio_max=1.0, reward_first=0.1, reward_last=0.2,
+                   sync_seconds_mean=0.01, rollout_seconds_mean=0.5, train_seconds_mean=0.5,
+                   ratio_exactly_one_every_step=True)  # fmt: skip
+    report = {"configurations": {"rl_engine": {"summary": summary, "sync_method": "load_weights"}}}
+    monkeypatch.setattr(cli, "_loop", lambda args, workdir: report)
+
+    def broken(*a, **k):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(plots, "grpo_figure", broken)
+    out = tmp_path / "out"
+    assert cli.run(argparse.Namespace(out=str(out), gate=True)) == 0
+    assert json.loads((out / "grpo.json").read_text()) == report
+    assert not (out / "grpo.png").exists()
+    printed = capsys.readouterr().out
+    assert "warning: no grpo.png (RuntimeError: no display)" in printed
+    assert f"wrote {out}/grpo.json" in printed
