@@ -130,6 +130,57 @@ def test_provider_signature_is_enforced():
         )
 
 
+def test_signature_of_binds_only_where_needed(monkeypatch):
+    """``signature_of``: a positional call gets the omitted trailing defaults appended without
+    binding (the hot path); a keyword call is bound as the spec binds it; a wrong call raises
+    ``TypeError``; ``lead`` / ``replaces`` put tensors in front of (or in place of) the spec's."""
+    import inspect
+
+    from rl_engine.ops._common import signature_of
+
+    def spec(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, residual: object = None):
+        raise AssertionError("never called")
+
+    @signature_of(spec)
+    def fn(*args, knob: int = 0):
+        return args, knob
+
+    assert list(inspect.signature(fn).parameters) == ["x", "w", "eps", "residual", "knob"]
+    binds = []
+    real_bind = inspect.Signature.bind
+
+    def spy(self, *args, **kwargs):
+        binds.append(args)
+        return real_bind(self, *args, **kwargs)
+
+    monkeypatch.setattr(inspect.Signature, "bind", spy)
+    assert fn(1, 2) == ((1, 2, 1e-6, None), 0)
+    assert fn(1, 2, 3) == ((1, 2, 3, None), 0)
+    assert fn(1, 2, 3, 4) == ((1, 2, 3, 4), 0)
+    assert binds == []  # positional calls: no binding
+    assert fn(1, w=2) == ((1, 2, 1e-6, None), 0)
+    assert fn(1, 2, residual=4) == ((1, 2, 1e-6, 4), 0)
+    assert fn(1, 2, knob=5) == ((1, 2, 1e-6, None), 5)
+    assert len(binds) == 3
+    for args, kwargs in [((1,), {}), ((1, 2, 3, 4, 5), {}), ((1, 2), {"bogus": 1})]:
+        with pytest.raises(TypeError):
+            fn(*args, **kwargs)
+
+    @signature_of(spec, "grad", replaces=1)
+    def bwd(*args):
+        return args
+
+    assert list(inspect.signature(bwd).parameters) == ["grad", "w", "eps", "residual"]
+    assert bwd(7, 2) == (7, 2, 1e-6, None)
+
+    @signature_of(spec, "grad")
+    def with_lead(*args):
+        return args
+
+    assert list(inspect.signature(with_lead).parameters)[:2] == ["grad", "x"]
+    assert with_lead(7, 1, 2) == (7, 1, 2, 1e-6, None)
+
+
 def test_bad_device_argument():
     with pytest.raises(TypeError):
         KernelRegistry.get_op("det_gemm", device=3.5)

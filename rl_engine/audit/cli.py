@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from rl_engine import _cli_common
+from rl_engine.audit import plots  # imports matplotlib only when it draws, after the numbers
 from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
 from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
 from rl_engine.rl.engines import WorkerError, run_worker, worker_env
@@ -669,14 +670,10 @@ def run(args: argparse.Namespace) -> int:
         report["gate"] = {"passed": not problems, "problems": problems}
         deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
 
-        def drift(path: str) -> None:  # plots import matplotlib: inside, after the numbers
-            from rl_engine.audit import plots
-
+        def drift(path: str) -> None:
             plots.drift_figure(report, deltas, path)
 
         def localize(path: str) -> None:
-            from rl_engine.audit import plots
-
             plots.localize_figure(report, path)
 
         figures = [("drift.png", drift)]

@@ -265,29 +265,36 @@ def lse_reduction_ops(
     return forward_op, backward_op
 
 
-def signature_of(spec: Any, *lead: str) -> Any:
+def signature_of(spec: Any, *lead: str, replaces: int = 0) -> Any:
     """Decorator: a provider function written ``fn(*args)`` gets the signature of ``spec`` (its
     op's reference, which every provider keeps and the registry checks) instead of spelling the
     argument list out again. ``lead``: tensor arguments before ``spec``'s (a backward's upstream
-    gradient); the return annotation stays ``fn``'s, and so do ``fn``'s own keyword-only
+    gradient), in place of ``spec``'s first ``replaces`` ones (``rope_backward``'s ``grad`` for
+    ``rope``'s ``x``); the return annotation stays ``fn``'s, and so do ``fn``'s own keyword-only
     parameters, after ``spec``'s (a provider's tuning knobs, e.g. a benchmark's launch
-    overrides). Keyword calls are bound to positions first, as a function with that signature
-    binds them (a wrong call raises the same ``TypeError``)."""
+    overrides). A positional call is passed on with the omitted trailing defaults appended (no
+    binding on the hot path); keyword calls and wrong counts are bound to positions first, as a
+    function with that signature binds them (a wrong call raises the same ``TypeError``)."""
     import functools
     import inspect
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [inspect.Parameter(n, kind, annotation="torch.Tensor") for n in lead]
-    params += inspect.signature(spec).parameters.values()
+    params += list(inspect.signature(spec).parameters.values())[replaces:]
 
     def wrap(fn: Any) -> Any:
         own = inspect.signature(fn)
         knobs = [p for p in own.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
         sig = inspect.Signature(params + knobs, return_annotation=own.return_annotation)
+        n = len(params)
+        defaults = tuple(p.default for p in params)
+        n_required = sum(p.default is inspect.Parameter.empty for p in params)
 
         @functools.wraps(fn)
         def provider(*args: Any, **kwargs: Any) -> Any:
-            if kwargs or len(args) != len(params):
+            if not kwargs and n_required <= len(args) <= n:
+                args += defaults[len(args) :]
+            else:
                 bound = sig.bind(*args, **kwargs)
                 bound.apply_defaults()
                 args, kwargs = bound.args, bound.kwargs

@@ -14,6 +14,7 @@ from rl_engine.adapters.megatron.modules import (
     RopeSettings,
     UnsupportedNumericsError,
 )
+from rl_engine.adapters.megatron.replace import _swap_class
 from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec
 
 __all__ = [
@@ -349,7 +350,7 @@ def from_pretrained(
     # GPTModel builds its LM head itself, outside the layer spec: without this its forward
     # logits came from the stock GEMM (host BLAS bits), not det_gemm (token_logprobs' bits)
     if type(model.output_layer) is ColumnParallelLinear:
-        model.output_layer.__class__ = RLColumnParallelLinear
+        _swap_class(model.output_layer, RLColumnParallelLinear)
     hf = dict(_tensors(path))
     state = hf_to_megatron_state(hf, cfg, tied)
     if tp > 1:

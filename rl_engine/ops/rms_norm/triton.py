@@ -67,7 +67,9 @@ import torch
 
 from rl_engine.ops import _interpret
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
+from rl_engine.ops.rms_norm import reference
 from rl_engine.ops.rms_norm.reference import _check
 
 __all__ = [
@@ -503,23 +505,18 @@ def _int64(m: int, *strides: int) -> bool:
     return any(m * max(s, 1) >= _INT32_MAX for s in strides)
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.rms_norm)
+def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant RMSNorm on the GPU (Triton), optionally with the residual add fused.
 
-    Args:
-        x: [..., H] float32 / bfloat16 / float16, any strides (H <= 65536).
-        weight: [H] float32 / bfloat16 / float16.
-        eps: added to the mean square.
-        residual: optional, same shape and dtype as ``x``.
+    The reference's arguments ``(x, weight, eps=1e-6, residual=None)``: ``x`` [..., H] float32 /
+    bfloat16 / float16, any strides (H <= 65536); ``weight`` [H]; ``eps`` added to the mean
+    square; ``residual`` optional, same shape and dtype as ``x``.
 
     Returns:
         ``y`` [..., H] in ``x.dtype``; with ``residual``, ``(y, x + residual)``.
     """
+    x, weight, eps, residual = args
     _check(x, weight, eps, residual)
     _check_device(x)
     h = x.shape[-1]

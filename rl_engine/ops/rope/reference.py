@@ -25,14 +25,13 @@ no gradient. Only elementwise tensor operations are used: a token's output depen
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_float, check_same_device, check_tensor
+from rl_engine.ops._common import check_float, check_same_device, check_tensor, signature_of
 from rl_engine.ops._math import cos_sin64
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -255,16 +254,11 @@ def rope(
     return _rope(x, positions, theta, rotary_dim, is_neox, scaling, inverse=False)
 
 
-def rope_backward(
-    grad: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    """Gradient w.r.t. ``x``: the inverse rotation of ``grad`` [T, heads, head_dim]."""
-    return _rope(grad, positions, theta, rotary_dim, is_neox, scaling, inverse=True)
+@signature_of(rope, "grad", replaces=1)
+def rope_backward(*args: Any) -> torch.Tensor:
+    """Gradient w.r.t. ``x``: the inverse rotation of ``grad`` [T, heads, head_dim] (the other
+    arguments as :func:`rope`'s)."""
+    return _rope(*args, inverse=True)
 
 
 def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -272,18 +266,11 @@ def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Ten
     the same positions and parameters (the spec of the fused ``rope_qk``); its signature is
     ``fn``'s with ``q, k`` for the one tensor (what a provider's ``rope_qk`` takes)."""
 
-    def both(q, k, positions, theta=10000.0, rotary_dim=None, is_neox=True, scaling=None):
-        return (
-            fn(q, positions, theta, rotary_dim, is_neox, scaling),
-            fn(k, positions, theta, rotary_dim, is_neox, scaling),
-        )
+    @signature_of(fn, "q", "k", replaces=1)
+    def both(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, *params = args
+        return fn(q, *params), fn(k, *params)
 
-    sig = inspect.signature(fn)
-    x, *rest = sig.parameters.values()
-    both.__signature__ = sig.replace(  # type: ignore[attr-defined]
-        parameters=[x.replace(name="q"), x.replace(name="k"), *rest],
-        return_annotation="tuple[torch.Tensor, torch.Tensor]",
-    )
     both.__name__ = f"{fn.__name__}_qk"
     both.__doc__ = f"``{fn.__name__}`` of ``q`` and of ``k`` (same positions and parameters)."
     return both

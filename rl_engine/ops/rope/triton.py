@@ -24,7 +24,6 @@ CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,17 +334,11 @@ def rope_qk(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _rope(q, *params, inverse=False, x2=k)
 
 
-def rope_qk_backward(
-    grad_q: torch.Tensor,
-    grad_k: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float = 10000.0,
-    rotary_dim: int | None = None,
-    is_neox: bool = True,
-    scaling: Mapping[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.rope_backward, "grad_q", "grad_k", replaces=1)
+def rope_qk_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_backward` of both gradients in one launch."""
-    return _rope(grad_q, positions, theta, rotary_dim, is_neox, scaling, inverse=True, x2=grad_k)
+    grad_q, grad_k, *params = args
+    return _rope(grad_q, *params, inverse=True, x2=grad_k)
 
 
 PROVIDER = _tr.triton_provider(
