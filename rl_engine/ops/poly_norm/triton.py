@@ -23,6 +23,14 @@ registers (read once): on an H100 (2026-11-26) trees of 2048-8192 lanes ran the 
 slower than these lanes (every tree level is a layout change through shared memory, so a tree's
 cost grows as N log N; a sequential lane sum is register adds and one 1024-lane tree).
 
+Also not taken (H200, 2026-11-26, same bits): the three (backward: seven) lane vectors joined
+into one [4, BLOCK] / [8, BLOCK] tile (``tl.join`` + ``tl.permute``) and reduced by one stacked
+tree: 4-17x slower, the whole kernel took the join's layout; two blocks loaded per step: +2%.
+Kept: the sums' loads marked ``evict_last`` and the elementwise pass walking the blocks last to
+first with ``evict_first`` (the blocks read last are the ones still cached); speed only, the
+same expressions per element (backward +15% at >= 4096 rows,
+``benchmarks/results/h200/poly_norm_stacked_tree_rejected/``).
+
 Every kernel launches with ``enable_fp_fusion=False``: each product and sum above rounds as
 written. With contraction on, the compiler chose where to fuse a multiply into an add per
 kernel, and the ``HAS_MUL`` specialisation fused differently from the plain one: the H200 fuzz
@@ -66,7 +74,9 @@ if triton is not None:
         s3 = tl.zeros((1, BLOCK), tl.float32)
         for c0 in range(0, H, BLOCK):
             c = c0 + cols
-            a1 = tl.load(X + c, mask=c < H, other=0.0).to(tl.float32)[None, :]
+            a1 = tl.load(X + c, mask=c < H, other=0.0, eviction_policy="evict_last").to(tl.float32)[
+                None, :
+            ]
             a2 = a1 * a1
             a3 = a2 * a1
             s1 += a1 * a1
@@ -119,10 +129,12 @@ if triton is not None:
         x_row = X + row * stride_x
         r1, r2, r3, w0, w1, w2, b = _row_setup(x_row, W, B, H, h_f, eps, BLOCK, LOG_BLOCK)
         cols = tl.arange(0, BLOCK)
-        for c0 in range(0, H, BLOCK):
-            c = c0 + cols
+        nb = tl.cdiv(H, BLOCK)
+        for i in range(0, nb):  # last block first: the ones the sums read last are cached
+            c = (nb - 1 - i) * BLOCK + cols
             ok = (c < H)[None, :]
-            a1 = tl.load(x_row + c, mask=c < H, other=0.0).to(tl.float32)[None, :]
+            a1 = tl.load(x_row + c, mask=c < H, other=0.0, eviction_policy="evict_first")
+            a1 = a1.to(tl.float32)[None, :]
             y = _row_y(a1, r1, r2, r3, w0, w1, w2, b).to(Y.dtype.element_ty)
             if HAS_MUL:
                 m = tl.load(MUL + row * stride_m + c, mask=c < H, other=0.0)[None, :]
@@ -190,13 +202,19 @@ if triton is not None:
         tl.store(part + 1 + tl.arange(0, 1), _tree_sum_rows(p2, 1, BLOCK, LOG_BLOCK))
         tl.store(part + 2 + tl.arange(0, 1), _tree_sum_rows(p1, 1, BLOCK, LOG_BLOCK))
         tl.store(part + 3 + tl.arange(0, 1), _tree_sum_rows(pb, 1, BLOCK, LOG_BLOCK))
-        for c0 in range(0, H, BLOCK):
-            c = c0 + cols
+        nb = tl.cdiv(H, BLOCK)
+        for i in range(0, nb):  # last block first (cached), as in the forward
+            c = (nb - 1 - i) * BLOCK + cols
             ok = (c < H)[None, :]
-            a1 = tl.load(x_row + c, mask=c < H, other=0.0).to(tl.float32)[None, :]
-            gr = tl.load(G + row * stride_g + c, mask=c < H, other=0.0)[None, :]
+            a1 = tl.load(x_row + c, mask=c < H, other=0.0, eviction_policy="evict_first")
+            a1 = a1.to(tl.float32)[None, :]
+            gr = tl.load(
+                G + row * stride_g + c, mask=c < H, other=0.0, eviction_policy="evict_first"
+            )[None, :]
             if HAS_MUL:
-                m = tl.load(MUL + row * stride_m + c, mask=c < H, other=0.0)[None, :]
+                m = tl.load(
+                    MUL + row * stride_m + c, mask=c < H, other=0.0, eviction_policy="evict_first"
+                )[None, :]
                 y = _row_y(a1, r1, r2, r3, w0, w1, w2, b).to(X.dtype.element_ty)
                 dm = (gr.to(tl.float32) * y.to(tl.float32)).to(DMUL.dtype.element_ty)
                 tl.store(DMUL + row * stride_dm + c[None, :], dm, mask=ok)
