@@ -25,7 +25,7 @@ cost grows as N log N; a sequential lane sum is register adds and one 1024-lane 
 
 Also not taken (H200, 2026-11-26, same bits): the three (backward: seven) lane vectors joined
 into one [4, BLOCK] / [8, BLOCK] tile (``tl.join`` + ``tl.permute``) and reduced by one stacked
-tree: 4-17x slower, the whole kernel took the join's layout; two blocks loaded per step: +2%.
+tree: 2-17x slower (10x the warp shuffles of three trees); two blocks loaded per step: +2%.
 Kept: the sums' loads marked ``evict_last`` and the elementwise pass walking the blocks last to
 first with ``evict_first`` (the blocks read last are the ones still cached); speed only, the
 same expressions per element (backward +15% at >= 4096 rows,
