@@ -28,8 +28,9 @@ into one [4, BLOCK] / [8, BLOCK] tile (``tl.join`` + ``tl.permute``) and reduced
 tree: 2-17x slower (10x the warp shuffles of three trees); two blocks loaded per step: +2%.
 Kept: the sums' loads marked ``evict_last`` and the elementwise pass walking the blocks last to
 first with ``evict_first`` (the blocks read last are the ones still cached); speed only, the
-same expressions per element (backward +15% at >= 4096 rows,
-``benchmarks/results/h200/poly_norm_stacked_tree_rejected/``).
+same expressions per element (backward +15% at >= 4096 rows); and fewer warps per row program
+(:func:`fwd_warps`, ``BWD_WARPS``), which keeps the trees' first levels inside a warp (short
+rows +10-27%). All measured in ``benchmarks/results/h200/poly_norm_stacked_tree_rejected/``.
 
 Every kernel launches with ``enable_fp_fusion=False``: each product and sum above rounds as
 written. With contraction on, the compiler chose where to fuse a multiply into an add per
@@ -57,6 +58,15 @@ __all__ = ["PROVIDER", "fused_mul_poly_norm", "poly_norm", "poly_norm_backward"]
 MAX_BLOCK = 1024
 _SUM_BLOCK = 2048  # rows per step of the row-sum program's levels in memory (speed only)
 _SUM_RBLOCK = 2048  # rows of its last levels, in registers (speed only)
+BWD_WARPS = 2  # warps of the backward's row program (speed only, as fwd_warps)
+
+
+def fwd_warps(h: int) -> int:
+    """Warps of the forward's row program (speed only: every sum is the lane + tree order above,
+    whatever the layout). One warp up to H = 4096: each 1,024-lane tree then runs in registers
+    and warp shuffles, with no barrier between warps (H200, 2026-11-26: +10-19% at H 2048-4096);
+    longer rows keep 4 warps (one warp's 125 registers per thread leave too few loads in flight)."""
+    return 1 if h <= 4096 else 4
 
 
 def block_for(h: int) -> int:
@@ -281,7 +291,7 @@ def _launch_fwd(x, weight, bias, eps, mul):
                 x2, m2, y, weight.contiguous(), bias.contiguous(), h, float(h),
                 x2.stride(0), m2.stride(0), y.stride(0), float(eps),
                 HAS_MUL=mul is not None, BLOCK=blk, LOG_BLOCK=blk.bit_length() - 1,
-                num_warps=4, enable_fp_fusion=False,
+                num_warps=fwd_warps(h), enable_fp_fusion=False,
             )  # fmt: skip
     return y.reshape(x.shape)
 
@@ -342,7 +352,7 @@ def poly_norm_backward(
                 g2.stride(0), x2.stride(0), m2.stride(0), dx.stride(0),
                 (dmul if dmul is not None else dx).stride(0), float(eps),
                 HAS_MUL=mul is not None, BLOCK=blk, LOG_BLOCK=blk.bit_length() - 1,
-                num_warps=4, enable_fp_fusion=False,
+                num_warps=BWD_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
     sums = sum_rows(part)
     return (
