@@ -28,7 +28,7 @@ into one [4, BLOCK] / [8, BLOCK] tile (``tl.join`` + ``tl.permute``) and reduced
 tree: 2-17x slower (10x the warp shuffles of three trees); two blocks loaded per step: +2%.
 Kept: the sums' loads marked ``evict_last`` and the elementwise pass walking the blocks last to
 first with ``evict_first`` (the blocks read last are the ones still cached); speed only, the
-same expressions per element (backward +15% at >= 4096 rows); and fewer warps per row program
+same expressions per element (H200 A/B: forward +5%, backward +12%); and fewer warps per row program
 (:func:`fwd_warps`, ``BWD_WARPS``), which keeps the trees' first levels inside a warp (short
 rows +10-27%). All measured in ``benchmarks/results/h200/poly_norm_stacked_tree_rejected/``.
 
@@ -65,7 +65,7 @@ def fwd_warps(h: int) -> int:
     """Warps of the forward's row program (speed only: every sum is the lane + tree order above,
     whatever the layout). One warp up to H = 4096: each 1,024-lane tree then runs in registers
     and warp shuffles, with no barrier between warps (H200, 2026-11-26: +10-19% at H 2048-4096);
-    longer rows keep 4 warps (one warp's 125 registers per thread leave too few loads in flight)."""
+    longer rows keep 4 warps (one warp measured equal there, or up to 4% slower)."""
     return 1 if h <= 4096 else 4
 
 
