@@ -73,6 +73,25 @@ def _measure(name: str, fn: Callable[[], Any], quick: bool) -> dict[str, Any]:
     return row
 
 
+def _liger_row(hr: torch.Tensor, wr: torch.Tensor, tok: torch.Tensor, quick: bool) -> dict:
+    """Liger's fused linear cross-entropy (the fastest LM-head loss users pick; gradients formed
+    in its forward, bf16 weight-gradient accumulation), reduction "sum": the same three GEMMs of
+    work as the summed token log-probs (no temperature: Liger has none; the work is the same)."""
+    name = "fwd+bwd liger fused linear CE"
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as exc:
+        row = {"path": name, "error": f"liger-kernel not importable: {exc}"}
+        print(row)
+        return row
+
+    def liger() -> None:
+        loss = liger_fused_linear_cross_entropy(hr, wr, tok, reduction="sum")
+        torch.autograd.grad(loss, (hr, wr))
+
+    return _measure(name, liger, quick)
+
+
 def _rows(t: int, quick: bool) -> list[dict[str, Any]]:
     x = _inputs(t)
     h, w, tok, g = x["h"], x["w"], x["tok"], x["g"]
@@ -109,6 +128,7 @@ def _rows(t: int, quick: bool) -> list[dict[str, Any]]:
     torch.cuda.empty_cache()
     rows.append(_measure("fwd+bwd rl_engine linear_logp", fused, quick))
     rows.append(_measure("fwd+bwd torch materialised", materialised, quick))
+    rows.append(_liger_row(hr, wr, tok, quick))
     for r in rows:
         r.update(T=t, H=H, V=V, dtype="bfloat16")
     return rows
@@ -135,6 +155,10 @@ def _summary(rows: list[dict[str, Any]], t: int) -> dict[str, Any]:
     s["fwdbwd_vs_torch_materialised"] = ratio(
         "fwd+bwd rl_engine linear_logp", "fwd+bwd torch materialised"
     )
+    s["fwdbwd_vs_liger"] = ratio("fwd+bwd rl_engine linear_logp", "fwd+bwd liger fused linear CE")
+    liger_peak = peak.get("fwd+bwd liger fused linear CE")
+    if liger_peak and peak.get("fwd+bwd rl_engine linear_logp"):
+        s["fwdbwd_peak_vs_liger"] = peak["fwd+bwd rl_engine linear_logp"] / liger_peak
     bwd_peak = peak.get("fwd+bwd rl_engine linear_logp")
     if bwd_peak is not None:
         grads_mib = (t * H + V * H) * 2 / 2**20  # dhidden and dweight themselves (bf16)

@@ -16,6 +16,7 @@ import torch
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
+from rl_engine.ops.det_gemm import triton as gemm_triton
 from rl_engine.ops.entropy import triton as ent_triton
 from rl_engine.ops.linear_logp import triton as ll_triton
 from rl_engine.ops.logp import triton as lp_triton
@@ -351,6 +352,58 @@ def test_dweight_deterministic_and_zero_padding_invariant(dtype, small_chunks, m
     # dweight does not depend on the vocabulary slice (column-invariant weight gradient)
     monkeypatch.setattr(ll_triton, "VOCAB_SLICE", 2 * TILE)
     assert_bitwise(dw(hidden, tokens, g), base, "dweight vs vocabulary slice")
+
+
+def _backward_vs_wgrad(t, h, v, dtype, temperature=0.7):
+    """linear_logp's backward against the weight-gradient kernel applied once to the full
+    dlogits [T, V] (the module docstring's identities), both ways, with entropy gradients."""
+    hidden, weight, tokens = _lm_inputs(t, h, v, dtype, seed=3)
+    g_lp = torch.randn(t).to(DEVICE)
+    g_ent = torch.randn(t).to(DEVICE)
+    _, ent, lse = ll_triton.linear_logp_forward(hidden, weight, tokens, temperature, True)
+    dh, dw = ll_triton.linear_logp_backward(
+        hidden, weight, tokens, temperature, lse, ent, g_lp, g_ent, True, True
+    )
+    dlogits = lp_triton.vocab_backward(
+        _gemm(hidden, weight),
+        temperature,
+        lse,
+        tokens=tokens,
+        grad_logp=g_lp,
+        entropy=ent,
+        grad_entropy=g_ent,
+    )
+    want_dw = gemm_triton.det_gemm_wgrad(dlogits, hidden).to(dtype)
+    assert_bitwise(dw, want_dw, "dweight == det_gemm_wgrad(dlogits, hidden)")
+    want_dh = gemm_triton.det_gemm_wgrad(dlogits.t(), weight).to(dtype)
+    assert_bitwise(dh, want_dh, "dhidden == det_gemm_wgrad(dlogits.t(), weight)")
+
+
+@needs_triton
+def test_backward_blocks_are_wgrad_chunks(monkeypatch):
+    # the shipped rule (blocks = WGRAD_CHUNK both ways) at a small chunk; 40 tokens and 53
+    # vocabulary columns: 3 token partials, 4 vocabulary partials, the last ones short
+    chunk = 16
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
+    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", chunk)
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", chunk)
+    _backward_vs_wgrad(40, 8, 53, torch.float32)
+    # the check can fail: slices of two chunks add (q1 + q2) + (q3 + q4), not ((q1 + q2) + q3)
+    # + q4, so dhidden's bits differ
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", 2 * chunk)
+    with pytest.raises(AssertionError, match="dhidden"):
+        _backward_vs_wgrad(40, 8, 53, torch.float32)
+
+
+def test_shipped_backward_blocks_are_wgrad_chunks():
+    assert ll_triton.BWD_TOKEN_CHUNK == ll_triton.VOCAB_SLICE == gemm_triton.WGRAD_CHUNK
+
+
+@gpu
+def test_gpu_backward_blocks_are_wgrad_chunks_bf16():
+    # shipped chunks (4096) on the GPU's kernels: 3 token chunks, 3 vocabulary slices
+    c = ll_triton.BWD_TOKEN_CHUNK
+    _backward_vs_wgrad(2 * c + 100, 256, 2 * c + 1029, torch.bfloat16)
 
 
 @needs_triton

@@ -14,26 +14,31 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
 
   The chunk's logits are the only large temporary: 512 x V in ``hidden.dtype`` (bf16,
   V = 151936: 156 MB, 3.1% of the fp32 [8192, V] logits).
-* **Backward.** The vocabulary in slices of ``VOCAB_SLICE = 16384`` columns (outer loop, in
-  order) and the tokens in chunks of ``BWD_TOKEN_CHUNK = 8192`` rows (inner loop, in order).
-  For each block: the logits are recomputed with the same ``det_gemm`` (column invariant, so the
-  same bits as the forward's), ``dlogits`` are formed **in place** by the shared backward kernel
-  (``logp``'s and ``entropy``'s formulas, from the forward's ``lse`` / ``entropy``) and rounded
-  to ``hidden.dtype`` (fp32 for fp32 inputs), then
+* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` tokens x ``VOCAB_SLICE`` vocabulary columns, both
+  ``WGRAD_CHUNK`` (4096) of :mod:`rl_engine.ops.det_gemm`; vocabulary slices outer, token
+  chunks inner, each in order. For each block: the logits are recomputed with the same
+  ``det_gemm`` (row and column invariant, so the forward's bits), ``dlogits`` are formed **in
+  place** by the shared backward kernel (``logp``'s and ``entropy``'s formulas, from the
+  forward's ``lse`` / ``entropy``) and rounded to ``hidden.dtype`` (fp32 for fp32 inputs), then
 
-  - ``dweight[slice] = det_gemm_wgrad(dlogits, hidden[rows])`` (fp32; inside, tokens in
-    ``WGRAD_CHUNK``-row chunks added in order), token-chunk results added in token order in
-    fp32, one rounding to ``weight.dtype``: deterministic, zero-padding invariant (zero rows
-    add exact zeros). For T <= 8192 this is exactly ``det_gemm``'s own weight gradient of the
-    unfused ``det_gemm`` backward given the same dlogits.
-  - ``dhidden[rows] += det_gemm_wgrad(dlogits.t(), weight[slice])`` (fp32 ``dlogits @ W``;
-    the vocabulary reduced in ``WGRAD_CHUNK``-column chunks in order), slice results added in
-    vocabulary order in fp32, one rounding to ``hidden.dtype``: row invariant (row t of each
-    term depends on row t only), no [T, V] and no bf16 rounding of vocabulary partials.
+  - ``dweight[slice] (+)= det_gemm_wgrad(dlogits, hidden[rows])`` (fp32), token-chunk results
+    added in token order, one rounding to ``weight.dtype``;
+  - ``dhidden[rows] (+)= det_gemm_wgrad(dlogits.t(), weight[slice])`` (fp32 ``dlogits @ W``),
+    slice results added in vocabulary order, one rounding to ``hidden.dtype``.
 
-  Peak extra memory of the backward: one [BWD_TOKEN_CHUNK, VOCAB_SLICE] block in
-  ``hidden.dtype`` (bf16: 268 MB), fp32 [T, H] for dhidden (plus one [chunk, H] partial) and
-  fp32 [VOCAB_SLICE, H] for a dweight slice (plus its partial). None of it is [T, V].
+  Each block is one ``WGRAD_CHUNK`` of the weight-gradient kernel's reduction (a fresh fp32
+  accumulator, partials added in order), so, given the same ``dlogits`` [T, V], bitwise and
+  for every T and V::
+
+      dweight == det_gemm_wgrad(dlogits, hidden).to(weight.dtype)
+      dhidden == det_gemm_wgrad(dlogits.t(), weight).to(hidden.dtype)
+
+  dhidden is row invariant (row t depends on row t only); dweight is deterministic and
+  invariant to zero-padding rows (zero rows add exact zeros).
+  Peak extra memory of the backward (bf16, H = 2048): one [4096, 4096] block in
+  ``hidden.dtype`` (32 MB), fp32 [T, H] for dhidden, and three fp32 [4096, H] partials (a
+  dweight slice, its next token chunk, a dhidden block): 192 MB at T = 8192. None of it is
+  [T, V]. (Version 1 used [8192, 16384] blocks: 664 MB, other bits for T > 8192 or V > 16384.)
 
 Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
 accumulates in fp32 across vocabulary chunks); identity with the ``native`` family, across GPU
@@ -67,11 +72,12 @@ __all__ = [
 
 # Forward token chunk: no effect on the bits (row-invariant GEMM and reduction); memory only.
 TOKEN_CHUNK = 512
-# Backward blocks. VOCAB_SLICE is numerics of dhidden (fp32 partials over vocabulary slices),
-# BWD_TOKEN_CHUNK numerics of dweight (fp32 partials over token chunks); both fixed numbers,
-# never derived from the token count.
-BWD_TOKEN_CHUNK = 8192
-VOCAB_SLICE = 16 * _vocab.VOCAB_TILE
+# Backward blocks: numerics. VOCAB_SLICE cuts dhidden's vocabulary reduction (fp32 partials over
+# slices), BWD_TOKEN_CHUNK dweight's token reduction (fp32 partials over token chunks). Both are
+# the weight-gradient kernel's own chunk, so the partials are the chunks it would add itself
+# (the identities of the module docstring); never derived from the token count.
+BWD_TOKEN_CHUNK = _gemm_config.WGRAD_CHUNK
+VOCAB_SLICE = _gemm_config.WGRAD_CHUNK
 
 NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_vocab.NUMERICS}]"
 
@@ -220,7 +226,9 @@ PROVIDER = _tr.triton_provider(
     op="linear_logp",
     numerics=NUMERICS,
     fn=linear_logp,
-    version="1",
+    # 2: backward blocks [8192, 16384] -> [WGRAD_CHUNK, WGRAD_CHUNK] (memory; new dhidden bits
+    # for V > 16384, new dweight bits for T > 8192)
+    version="2",
     available=_available,
     extras={"forward": linear_logp_forward, "backward": linear_logp_backward},
 )
