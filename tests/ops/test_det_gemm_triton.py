@@ -319,6 +319,66 @@ def test_backward_and_wgrad_plans(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wgrad_out_and_accumulate(dtype, monkeypatch):
+    """``out=`` / ``accumulate=True``: calls over consecutive chunk-aligned token ranges give the
+    bits of one call over all tokens, on every plan; a 16-bit ``out`` is the fp32 sum rounded
+    once."""
+    chunk = 64 if ON_GPU else 16  # a multiple of every plan's token step
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
+    t, k, n = 5 * chunk + 7, 40, 24
+    g = torch.Generator().manual_seed(5)
+    a = _rand(t, k, dtype=dtype, gen=g)
+    gr = _rand(t, n, dtype=dtype, gen=g)
+    whole = gemm_triton.det_gemm_wgrad_with_plan(a, gr, split=False, tma=False)
+    plans = [dict(split=False, tma=False), dict(split=True, tma=False)]
+    if ON_GPU and dtype != torch.float32:
+        plans.append(dict(split=None, tma=True))
+    for plan in plans:
+        assert_bitwise(gemm_triton.det_gemm_wgrad_with_plan(a, gr, **plan), whole, f"{plan}")
+        for cuts in ((chunk,), (2 * chunk,), (chunk, 3 * chunk), (chunk, 2 * chunk, 4 * chunk)):
+            out = torch.full((k, n), float("nan"), device=DEVICE)  # written, not read, first
+            bounds = (0, *cuts, t)
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                gemm_triton.det_gemm_wgrad_with_plan(
+                    a[lo:hi], gr[lo:hi], out=out, accumulate=i > 0, **plan
+                )
+            assert_bitwise(out, whole, f"accumulated over {bounds} ({plan})")
+        if dtype != torch.float32:
+            o16 = torch.empty((k, n), dtype=dtype, device=DEVICE)
+            gemm_triton.det_gemm_wgrad_with_plan(a, gr, out=o16, **plan)
+            assert_bitwise(o16, whole.to(dtype), f"{dtype} out ({plan})")
+    # the negative control: a multi-chunk partial added afterwards is another association
+    naive = gemm_triton.det_gemm_wgrad(a[:chunk], gr[:chunk])
+    naive += gemm_triton.det_gemm_wgrad(a[chunk:], gr[chunk:])
+    assert not torch.equal(naive, whole), "p0 + (p1 + ... + p5) should differ somewhere"
+
+
+@needs_triton
+def test_wgrad_out_errors():
+    a, gr = _rand(8, 4, dtype=torch.float32), _rand(8, 3, dtype=torch.float32)
+    f32 = dict(dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="needs out"):
+        gemm_triton.det_gemm_wgrad(a, gr, accumulate=True)
+    with pytest.raises(ValueError, match="shape"):
+        gemm_triton.det_gemm_wgrad(a, gr, out=torch.zeros(3, 4, **f32))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm_triton.det_gemm_wgrad(a, gr, out=torch.zeros(3, 4, **f32).t())
+    with pytest.raises(TypeError, match="fp32 or a.dtype"):
+        gemm_triton.det_gemm_wgrad(a, gr, out=torch.zeros(4, 3, dtype=torch.float16, device=DEVICE))
+    a16, gr16 = a.half(), gr.half()
+    with pytest.raises(TypeError, match="accumulate=True needs an fp32 out"):
+        out = torch.zeros(4, 3, dtype=torch.float16, device=DEVICE)
+        gemm_triton.det_gemm_wgrad(a16, gr16, out=out, accumulate=True)
+    # no tokens: out is zeroed, or kept when accumulating
+    out = torch.ones(4, 3, **f32)
+    gemm_triton.det_gemm_wgrad(a[:0], gr[:0], out=out, accumulate=True)
+    assert_bitwise(out, torch.ones(4, 3, **f32), "accumulate over no tokens")
+    gemm_triton.det_gemm_wgrad(a[:0], gr[:0], out=out)
+    assert_bitwise(out, torch.zeros(4, 3, **f32), "no tokens")
+
+
+@needs_triton
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_eager_path_equals_custom_ops(with_bias):
     """Eager calls run the provider under a plain autograd function (or directly, without a

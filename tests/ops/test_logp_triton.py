@@ -16,6 +16,7 @@ import torch
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
+from rl_engine.ops.det_gemm import config as gemm_config
 from rl_engine.ops.det_gemm import triton as gemm_triton
 from rl_engine.ops.entropy import triton as ent_triton
 from rl_engine.ops.linear_logp import triton as ll_triton
@@ -29,15 +30,19 @@ RUNNABLE = triton_runnable(lp_triton)
 needs_triton = skip_unless_triton(lp_triton)
 DTYPES = TRITON_DTYPES
 TILE = lp_triton.VOCAB_TILE
-# Small chunks (interpreter) so that a few dozen rows cross every boundary.
+# Small chunks (interpreter) so that a few dozen rows cross every boundary. The weight-gradient
+# chunk must be a multiple of the kernels' token step (16 in the interpreter, 64 on the GPU);
+# the backward blocks are multiples of it.
 _SMALL_CHUNK = 8
-_SMALL_SLICE = TILE
+_SMALL_WGRAD = 64 if ON_GPU else 16
+_SMALL_SLICE = 256
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", _SMALL_WGRAD)
     monkeypatch.setattr(ll_triton, "TOKEN_CHUNK", _SMALL_CHUNK)
-    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", _SMALL_CHUNK)
+    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", _SMALL_WGRAD)
     monkeypatch.setattr(ll_triton, "VOCAB_SLICE", _SMALL_SLICE)
     return _SMALL_CHUNK
 
@@ -270,7 +275,7 @@ def test_fusion_transparent(dtype, vocab, temperature, chunked, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_logp_grads_vs_float64(dtype, small_chunks):
-    t, h, v = 19, 32, 2 * TILE + 17  # 3 token chunks, 3 vocabulary slices
+    t, h, v = 19, 32, 2 * TILE + 17  # 3 forward token chunks; backward: 2 x 9 blocks (CPU)
     hidden, weight, tokens = _lm_inputs(t, h, v, dtype)
     g_lp, g_ent = torch.randn(t).to(DEVICE), torch.randn(t).to(DEVICE)
     hi, wi = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -380,30 +385,42 @@ def _backward_vs_wgrad(t, h, v, dtype, temperature=0.7):
 
 
 @needs_triton
-def test_backward_blocks_are_wgrad_chunks(monkeypatch):
-    # the shipped rule (blocks = WGRAD_CHUNK both ways) at a small chunk; 40 tokens and 53
-    # vocabulary columns: 3 token partials, 4 vocabulary partials, the last ones short
-    chunk = 16
+@pytest.mark.parametrize("blocks", [(1, 1), (2, 1), (1, 3), (3, 2)])
+def test_backward_blocks_are_wgrad_chunks(blocks, monkeypatch):
+    # at a small chunk: 2.5 chunks of tokens and 3.3 of vocabulary columns (3 token partials, 4
+    # vocabulary partials, the last ones short); backward blocks of 1-3 chunks each way. Every
+    # size gives the bits of one weight-gradient product over everything: the blocks continue
+    # the running sum chunk by chunk (``accumulate``)
+    chunk = _SMALL_WGRAD
+    t, v = 2 * chunk + chunk // 2, 3 * chunk + 5
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
+    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", blocks[0] * chunk)
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", blocks[1] * chunk)
+    _backward_vs_wgrad(t, 8, v, torch.float32)
+
+
+@needs_triton
+def test_backward_blocks_must_be_whole_chunks(monkeypatch):
+    chunk = _SMALL_WGRAD
     monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
     monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", chunk)
-    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", chunk)
-    _backward_vs_wgrad(40, 8, 53, torch.float32)
-    # the check can fail: slices of two chunks add (q1 + q2) + (q3 + q4), not ((q1 + q2) + q3)
-    # + q4, so dhidden's bits differ
-    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", 2 * chunk)
-    with pytest.raises(AssertionError, match="dhidden"):
-        _backward_vs_wgrad(40, 8, 53, torch.float32)
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", chunk + 1)
+    with pytest.raises(ValueError, match="multiples of WGRAD_CHUNK"):
+        _backward_vs_wgrad(5, 8, 40, torch.float32)
 
 
 def test_shipped_backward_blocks_are_wgrad_chunks():
-    assert ll_triton.BWD_TOKEN_CHUNK == ll_triton.VOCAB_SLICE == gemm_triton.WGRAD_CHUNK
+    assert ll_triton.BWD_TOKEN_CHUNK % gemm_triton.WGRAD_CHUNK == 0
+    assert ll_triton.VOCAB_SLICE % gemm_triton.WGRAD_CHUNK == 0
 
 
 @gpu
 def test_gpu_backward_blocks_are_wgrad_chunks_bf16():
-    # shipped chunks (4096) on the GPU's kernels: 3 token chunks, 3 vocabulary slices
-    c = ll_triton.BWD_TOKEN_CHUNK
-    _backward_vs_wgrad(2 * c + 100, 256, 2 * c + 1029, torch.bfloat16)
+    # shipped blocks on the GPU's kernels (TMA plans): two token blocks of two chunks each (the
+    # last one short), three vocabulary slices
+    c = gemm_triton.WGRAD_CHUNK
+    assert ll_triton.BWD_TOKEN_CHUNK == 2 * c
+    _backward_vs_wgrad(3 * c + 100, 256, 2 * c + 1029, torch.bfloat16)
 
 
 @needs_triton

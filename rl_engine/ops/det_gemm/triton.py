@@ -301,6 +301,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         A_MMAJOR: tl.constexpr,
         B_KMAJOR: tl.constexpr,
+        ACC_INIT: tl.constexpr = False,
     ):
         # Persistent variant (Hopper): TMA tile loads, tiles visited in the grouped order. Each
         # tile is computed exactly as in _det_gemm_fwd_kernel (K chunks, each in order into a
@@ -341,7 +342,7 @@ if triton is not None:
             _tma_tiles(
                 a_desc, b_desc, bias_ptr, c_ptr, M, N, stride_cm, stride_cn, start, num_tiles,
                 num_pid_m, num_pid_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, KC_TILES,
-                num_progs, MULTI_CHUNK, HAS_BIAS, A_MMAJOR, B_KMAJOR,
+                num_progs, MULTI_CHUNK, HAS_BIAS, A_MMAJOR, B_KMAJOR, ACC_INIT,
             )  # fmt: skip
 
     @triton.jit
@@ -350,9 +351,11 @@ if triton is not None:
         num_pid_m, num_pid_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, KC_TILES: tl.constexpr, num_progs,
         MULTI_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, A_MMAJOR: tl.constexpr,
-        B_KMAJOR: tl.constexpr,
+        B_KMAJOR: tl.constexpr, ACC_INIT: tl.constexpr,
     ):  # fmt: skip
-        """The in-register plan of _det_gemm_tma_kernel: each tile walks all its K chunks."""
+        """The in-register plan of _det_gemm_tma_kernel: each tile walks all its K chunks.
+        ``ACC_INIT`` (fp32 ``c``, no bias): the running sum starts from ``c`` instead of 0, so
+        ``c = ((c + p0) + p1) + ...``: the chunk partials continue an earlier call's sum."""
         for tile in tl.range(start, num_tiles, num_progs, flatten=not MULTI_CHUNK):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
@@ -360,6 +363,8 @@ if triton is not None:
             zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if MULTI_CHUNK:
                 acc = zero
+                if ACC_INIT:
+                    acc = _c_tile(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
                 for c0 in range(0, k_tiles, KC_TILES):
                     part = _tma_k_steps(
                         zero, a_desc, b_desc, off_m, off_n, c0,
@@ -370,6 +375,9 @@ if triton is not None:
                 acc = _tma_k_steps(
                     zero, a_desc, b_desc, off_m, off_n, 0, k_tiles, BLOCK_K, A_MMAJOR, B_KMAJOR
                 )
+                if ACC_INIT:
+                    c = _c_tile(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+                    acc = c + acc
             rm = off_m + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
             if HAS_BIAS:
@@ -381,6 +389,15 @@ if triton is not None:
                 acc.to(c_ptr.dtype.element_ty),
                 mask=(rm[:, None] < M) & (rn[None, :] < N),
             )
+
+    @triton.jit
+    def _c_tile(c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+        """The fp32 output tile at (off_m, off_n) as stored (out of range: 0)."""
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+        return tl.load(c_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
 
     @triton.jit
     def _det_gemm_wgrad_kernel(
@@ -405,9 +422,11 @@ if triton is not None:
         UPCAST: tl.constexpr,
         IEEE: tl.constexpr,
         INT64: tl.constexpr,
+        ACC_INIT: tl.constexpr = False,
     ):
         # out[split, o, n] = sum over this program's token chunks (in order) of
-        #   chunk partial = sum_t a[t, o] * g[t, n]   (fresh fp32 accumulator per chunk)
+        #   chunk partial = sum_t a[t, o] * g[t, n]   (fresh fp32 accumulator per chunk);
+        # ACC_INIT (one split, fp32 out): the sum starts from out instead of 0
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -425,6 +444,9 @@ if triton is not None:
         t_begin = split * chunks_per_prog * CHUNK
         t_end = tl.minimum(T, t_begin + chunks_per_prog * CHUNK)
         total = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
+        if ACC_INIT:
+            i_ptrs = out_ptr + ro[:, None] * stride_ok + rn[None, :] * stride_on
+            total = tl.load(i_ptrs, mask=(ro[:, None] < KO) & (rn[None, :] < N), other=0.0)
         for c0 in range(t_begin, t_end, CHUNK):
             part = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
             # steps past the last token would add exact zeros: the chunk stops at T
@@ -443,17 +465,24 @@ if triton is not None:
                 part = _dot_acc(a_t, g, part, UPCAST, IEEE)
             total = total + part
         o_ptrs = out_ptr + split * stride_os + ro[:, None] * stride_ok + rn[None, :] * stride_on
-        tl.store(o_ptrs, total, mask=(ro[:, None] < KO) & (rn[None, :] < N))
+        tl.store(
+            o_ptrs, total.to(out_ptr.dtype.element_ty), mask=(ro[:, None] < KO) & (rn[None, :] < N)
+        )
 
     @triton.jit
-    def _det_gemm_wgrad_combine_kernel(ws_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr):
-        # out = ((0 + ws[0]) + ws[1]) + ...: the same order as the in-program chunk loop.
+    def _det_gemm_wgrad_combine_kernel(
+        ws_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr, ACC_INIT: tl.constexpr = False
+    ):
+        # out = ((0 + ws[0]) + ws[1]) + ...: the same order as the in-program chunk loop
+        # (ACC_INIT, fp32 out: from out instead of 0). out is contiguous.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         total = tl.zeros((BLOCK,), dtype=tl.float32)
+        if ACC_INIT:
+            total = tl.load(out_ptr + offs, mask=mask, other=0.0)
         for s in range(0, n_parts):
             total = total + tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, total, mask=mask)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _kernel(name: str, device: torch.device) -> Any:
@@ -545,7 +574,7 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 8192  # shapes seen in one process; beyond, the cache starts over
 
 
-def _plan_key(a, b, bias, out, cfg, k_chunk, group_m) -> tuple:
+def _plan_key(a, b, bias, out, cfg, k_chunk, group_m, acc_init=False) -> tuple:
     """What decides a plan (everything ``_plan_for`` reads of the tensors)."""
     return (
         a.get_device(),
@@ -562,15 +591,19 @@ def _plan_key(a, b, bias, out, cfg, k_chunk, group_m) -> tuple:
         cfg,
         k_chunk,
         group_m,
+        acc_init,
     )
 
 
 def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps, num_stages,
-              k_chunk, split) -> _Plan | None:  # fmt: skip
+              k_chunk, split, acc_init=False) -> _Plan | None:  # fmt: skip
     """The persistent TMA kernel's plan for ``out = a @ b (+ bias)`` (``a`` [M, K], ``b`` [K, N],
     either stored contiguous along either dim); ``None`` when the layouts do not allow TMA.
     ``split`` (with more than one K chunk): one work item per (chunk, tile) writing fp32
-    partials, then the ordered combine kernel."""
+    partials, then the ordered combine kernel. ``acc_init`` (fp32 ``out``, no bias, no split):
+    the chunk sum starts from ``out`` (``ACC_INIT`` of the kernel)."""
+    if acc_init and (split or has_bias or out.dtype != torch.float32):
+        raise ValueError("det_gemm[triton]: acc_init needs an fp32 out, no bias and no split")
     if a.dtype == torch.float32:
         return None
     if _tma_ok(a):
@@ -608,6 +641,7 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
             B_KMAJOR=b_t,
             num_warps=num_warps,
             num_stages=num_stages,
+            **({"ACC_INIT": True} if acc_init else {}),
         ),
     )
     ws_shape = (n_chunks, m, n) if split else None
@@ -684,15 +718,18 @@ def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
     return _Plan(None, None, None, None, ws_shape, main, combine)
 
 
-def _run(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int, group_m: int | None = None) -> None:
-    """``out = a @ b (+ bias)`` through the plan of these arguments (made on first sight)."""
-    key = _plan_key(a, b, bias, out, cfg, k_chunk, group_m)
+def _run(
+    a, b, bias, out, cfg: DetGemmConfig, k_chunk: int, group_m: int | None = None, acc_init=False
+) -> None:
+    """``out = a @ b (+ bias)`` through the plan of these arguments (made on first sight);
+    ``acc_init`` (the weight gradient's TMA plan only): ``out`` is where the chunk sum starts."""
+    key = _plan_key(a, b, bias, out, cfg, k_chunk, group_m, acc_init)
     plan = _PLANS.get(key)
     if plan is None:
         if group_m is not None:  # the weight gradient's TMA plan (no pointer fallback here)
             plan = _tma_plan(
                 a, b, False, out, cfg.block_m, cfg.block_n, cfg.block_k, group_m,
-                cfg.num_warps, cfg.num_stages, k_chunk, False,
+                cfg.num_warps, cfg.num_stages, k_chunk, False, acc_init,
             )  # fmt: skip
             if plan is None:
                 raise ValueError("det_gemm[triton]: these layouts cannot use TMA")
@@ -792,6 +829,8 @@ def det_gemm_wgrad_with_plan(
     split: bool | None,
     cfg: WgradConfig | None = None,
     tma: bool | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """:func:`det_gemm_wgrad` with an explicit launch plan: ``tma`` (the persistent TMA GEMM
     kernel with K = tokens and ``WGRAD_CHUNK`` chunks), else ``split`` over token chunks or one
@@ -808,6 +847,10 @@ def det_gemm_wgrad_with_plan(
     _check_device(a)
     t, ko = a.shape
     n = grad.shape[1]
+    if out is not None:
+        _check_wgrad_out(out, (ko, n), a, accumulate)
+    elif accumulate:
+        raise ValueError("det_gemm_wgrad: accumulate=True needs out")
     on_cpu = a.device.type == "cpu"
     cfg = cfg or get_wgrad_config(a.dtype)
     if on_cpu:
@@ -819,12 +862,15 @@ def det_gemm_wgrad_with_plan(
     if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
         if a.dtype != torch.float32 and (_tma_ok(grad) or _tma_ok(grad.t())):
             if _tma_ok(a) or _tma_ok(a.t()):
-                out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
-                _run(a.t(), grad, None, out, _wgrad_gemm_config(cfg), WGRAD_CHUNK, group_m=8)
+                if out is None:
+                    out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
+                cfg_t = _wgrad_gemm_config(cfg)
+                _run(a.t(), grad, None, out, cfg_t, WGRAD_CHUNK, group_m=8, acc_init=accumulate)
                 return out
-    out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
+    if out is None:
+        out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
     if t == 0 or ko == 0 or n == 0:
-        return out
+        return out if accumulate else out.zero_()
     if split is None:
         split = (
             n_chunks > 1
@@ -838,6 +884,7 @@ def det_gemm_wgrad_with_plan(
     else:
         dest = out.unsqueeze(0)
         chunks_per_prog, n_progs = n_chunks, 1
+    acc_init = {"ACC_INIT": True} if accumulate else {}
     common = dict(
         CHUNK=WGRAD_CHUNK,
         BLOCK_O=cfg.block_o,
@@ -866,29 +913,56 @@ def det_gemm_wgrad_with_plan(
             dest.stride(2),
             chunks_per_prog,
             **common,
+            **({} if split else acc_init),
         )
         if split:
             numel = ko * n
             block = 1024
             _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(_tr.cdiv(numel, block),)](
-                dest, out, n_chunks, numel, BLOCK=block
+                dest, out, n_chunks, numel, BLOCK=block, **acc_init
             )
     return out
 
 
-def det_gemm_wgrad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _check_wgrad_out(out: Any, shape: tuple[int, int], a: torch.Tensor, accumulate: bool) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"det_gemm_wgrad: out must be a tensor of shape {shape}, got {got}")
+    if out.device != a.device:
+        raise ValueError(f"det_gemm_wgrad: out on {out.device}, inputs on {a.device}")
+    allowed = (torch.float32,) if accumulate else (torch.float32, a.dtype)
+    if out.dtype not in allowed:
+        what = "accumulate=True needs an fp32 out" if accumulate else "out must be fp32 or a.dtype"
+        raise TypeError(f"det_gemm_wgrad: {what}, got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("det_gemm_wgrad: out must be contiguous")
+
+
+def det_gemm_wgrad(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
     """``a.t() @ grad`` in fp32 (the weight gradient), tokens reduced in fixed chunks.
 
     Args:
         a: [T, K] (the layer input), any strides.
         grad: [T, N] (the output gradient), same dtype.
+        out: optional contiguous [K, N] destination: fp32, or ``a.dtype`` (the fp32 sum rounded
+            once, the same bits as ``det_gemm_wgrad(a, grad).to(a.dtype)``).
+        accumulate: the sum starts from ``out`` (fp32) instead of 0: ``out = ((out + p0) + p1)
+            + ...`` over this call's chunk partials ``p``. So calls over consecutive
+            ``WGRAD_CHUNK``-aligned token ranges, the first without ``accumulate``, give the
+            bits of one call over all the tokens.
 
     Returns:
-        fp32 [K, N]: chunks of ``WGRAD_CHUNK`` tokens, each summed in token order into a fresh
-        fp32 accumulator, partials added in chunk order. Deterministic; invariant to appended
-        zero rows.
+        fp32 [K, N] (or ``out``): chunks of ``WGRAD_CHUNK`` tokens, each summed in token order
+        into a fresh fp32 accumulator, partials added in chunk order. Deterministic; invariant to
+        appended zero rows.
     """
-    return det_gemm_wgrad_with_plan(a, grad, split=None)
+    return det_gemm_wgrad_with_plan(a, grad, split=None, out=out, accumulate=accumulate)
 
 
 PROVIDER = _tr.triton_provider(

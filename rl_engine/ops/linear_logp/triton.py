@@ -14,31 +14,33 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
 
   The chunk's logits are the only large temporary: 512 x V in ``hidden.dtype`` (bf16,
   V = 151936: 156 MB, 3.1% of the fp32 [8192, V] logits).
-* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` tokens x ``VOCAB_SLICE`` vocabulary columns, both
-  ``WGRAD_CHUNK`` (4096) of :mod:`rl_engine.ops.det_gemm`; vocabulary slices outer, token
-  chunks inner, each in order. For each block: the logits are recomputed with the same
-  ``det_gemm`` (row and column invariant, so the forward's bits), ``dlogits`` are formed **in
-  place** by the shared backward kernel (``logp``'s and ``entropy``'s formulas, from the
-  forward's ``lse`` / ``entropy``) and rounded to ``hidden.dtype`` (fp32 for fp32 inputs), then
+* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` (8192) tokens x ``VOCAB_SLICE`` (4096) vocabulary
+  columns, vocabulary slices outer, token blocks inner, each in order. For each block: the
+  logits are recomputed with the same ``det_gemm`` (row and column invariant, so the forward's
+  bits), ``dlogits`` are formed **in place** by the shared backward kernel (``logp``'s and
+  ``entropy``'s formulas, from the forward's ``lse`` / ``entropy``) and rounded to
+  ``hidden.dtype`` (fp32 for fp32 inputs), then
 
-  - ``dweight[slice] (+)= det_gemm_wgrad(dlogits, hidden[rows])`` (fp32), token-chunk results
-    added in token order, one rounding to ``weight.dtype``;
-  - ``dhidden[rows] (+)= det_gemm_wgrad(dlogits.t(), weight[slice])`` (fp32 ``dlogits @ W``),
-    slice results added in vocabulary order, one rounding to ``hidden.dtype``.
+  - ``dweight[slice]``: ``det_gemm_wgrad(dlogits, hidden[rows])`` continuing the fp32 sum of the
+    earlier token blocks (``accumulate``), one rounding to ``weight.dtype`` (in the kernel when
+    one block covers T);
+  - ``dhidden[rows]``: ``det_gemm_wgrad(dlogits.t(), weight[slice])`` (``dlogits @ W``)
+    continuing the fp32 sum of the earlier slices, one rounding to ``hidden.dtype``.
 
-  Each block is one ``WGRAD_CHUNK`` of the weight-gradient kernel's reduction (a fresh fp32
-  accumulator, partials added in order), so, given the same ``dlogits`` [T, V], bitwise and
-  for every T and V::
+  The block sizes are multiples of ``WGRAD_CHUNK`` (4096) of :mod:`rl_engine.ops.det_gemm`, and
+  each product continues the running sum chunk by chunk, so the partials and their order are
+  those of one weight-gradient product over everything: given the same ``dlogits`` [T, V],
+  bitwise and for every T and V (and any block sizes that are multiples of the chunk)::
 
       dweight == det_gemm_wgrad(dlogits, hidden).to(weight.dtype)
       dhidden == det_gemm_wgrad(dlogits.t(), weight).to(hidden.dtype)
 
   dhidden is row invariant (row t depends on row t only); dweight is deterministic and
   invariant to zero-padding rows (zero rows add exact zeros).
-  Peak extra memory of the backward (bf16, H = 2048): one [4096, 4096] block in
-  ``hidden.dtype`` (32 MB), fp32 [T, H] for dhidden, and three fp32 [4096, H] partials (a
-  dweight slice, its next token chunk, a dhidden block): 192 MB at T = 8192. None of it is
-  [T, V]. (Version 1 used [8192, 16384] blocks: 664 MB, other bits for T > 8192 or V > 16384.)
+  Peak extra memory of the backward: one [8192, 4096] block in ``hidden.dtype`` (bf16: 64 MB)
+  and fp32 [T, H] for dhidden, plus an fp32 [4096, H] dweight slice when T > 8192; bf16,
+  T = 8192, H = 2048: 128 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 664 MB
+  there, and other bits for T > 8192 or V > 16384.)
 
 Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
 accumulates in fp32 across vocabulary chunks); identity with the ``native`` family, across GPU
@@ -72,11 +74,11 @@ __all__ = [
 
 # Forward token chunk: no effect on the bits (row-invariant GEMM and reduction); memory only.
 TOKEN_CHUNK = 512
-# Backward blocks: numerics. VOCAB_SLICE cuts dhidden's vocabulary reduction (fp32 partials over
-# slices), BWD_TOKEN_CHUNK dweight's token reduction (fp32 partials over token chunks). Both are
-# the weight-gradient kernel's own chunk, so the partials are the chunks it would add itself
-# (the identities of the module docstring); never derived from the token count.
-BWD_TOKEN_CHUNK = _gemm_config.WGRAD_CHUNK
+# Backward blocks: a launch choice, not numerics. Any multiples of WGRAD_CHUNK give the same bits:
+# each weight-gradient product continues the fp32 sum of the earlier blocks (``accumulate``), so
+# the partials are the WGRAD_CHUNK chunks of one product over all tokens (dweight) or the whole
+# vocabulary (dhidden). Memory: one [BWD_TOKEN_CHUNK, VOCAB_SLICE] block in hidden.dtype.
+BWD_TOKEN_CHUNK = 2 * _gemm_config.WGRAD_CHUNK
 VOCAB_SLICE = _gemm_config.WGRAD_CHUNK
 
 NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_vocab.NUMERICS}]"
@@ -135,10 +137,11 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
     need_dhidden, need_dweight = args[8:]
     _vocab.check_device(hidden, "linear_logp")
-    if BWD_TOKEN_CHUNK <= 0 or VOCAB_SLICE <= 0:
+    tok_block, vocab_slice, chunk = BWD_TOKEN_CHUNK, VOCAB_SLICE, _gemm.WGRAD_CHUNK
+    if min(tok_block, vocab_slice) <= 0 or tok_block % chunk or vocab_slice % chunk:
         raise ValueError(
-            f"linear_logp[triton]: BWD_TOKEN_CHUNK ({BWD_TOKEN_CHUNK}) and VOCAB_SLICE "
-            f"({VOCAB_SLICE}) must be positive"
+            f"linear_logp[triton]: BWD_TOKEN_CHUNK ({tok_block}) and VOCAB_SLICE "
+            f"({vocab_slice}) must be positive multiples of WGRAD_CHUNK ({chunk})"
         )
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -155,11 +158,16 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     ent = entropy.float().contiguous() if grad_entropy is not None else None
     dh_acc = torch.empty(hidden.shape, dtype=f32, device=dev) if need_dhidden else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_dweight else None
-    for v0 in range(0, vocab, VOCAB_SLICE):  # vocabulary slices, in order
-        w = weight[v0 : v0 + VOCAB_SLICE]
-        dw_slice = None
-        for r0 in range(0, n, BWD_TOKEN_CHUNK):  # token chunks, in order
-            sl = slice(r0, r0 + BWD_TOKEN_CHUNK)
+    # dweight rows straight into dw (rounded once in the kernel) when one token block covers T
+    # (or dw is fp32); else an fp32 slice the token blocks accumulate into, rounded at its end
+    dw_direct = n <= tok_block or weight.dtype == f32
+    for v0 in range(0, vocab, vocab_slice):  # vocabulary slices, in order
+        w = weight[v0 : v0 + vocab_slice]
+        dw_sum = None
+        if dw is not None:
+            dw_sum = dw[v0 : v0 + vocab_slice] if dw_direct else w.new_empty(w.shape, dtype=f32)
+        for r0 in range(0, n, tok_block):  # token blocks, in order
+            sl = slice(r0, r0 + tok_block)
             h = hidden[sl]
             block = _logits(h, w)  # [rows, slice] in hidden.dtype: the forward's bits
             _vocab.vocab_backward(
@@ -173,22 +181,14 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
                 col0=v0,
                 out=block,  # in place: block now holds dlogits
             )
-            if dw is not None:
-                part = _gemm.det_gemm_wgrad(block, h)  # fp32 [slice, H]
-                dw_slice = part if dw_slice is None else dw_slice.add_(part)
-                del part
-            if dh_acc is not None:
-                part = _gemm.det_gemm_wgrad(block.t(), w)  # fp32 [rows, H] = dlogits @ w
-                if v0 == 0:
-                    dh_acc[sl] = part
-                else:
-                    dh_acc[sl] += part
-                del part
+            if dw_sum is not None:  # continues the token sum of the earlier blocks
+                _gemm.det_gemm_wgrad(block, h, out=dw_sum, accumulate=r0 > 0)
+            if dh_acc is not None:  # dlogits @ w, continuing the earlier slices' sum
+                _gemm.det_gemm_wgrad(block.t(), w, out=dh_acc[sl], accumulate=v0 > 0)
             del block
-        if dw is not None:
-            assert dw_slice is not None
-            dw[v0 : v0 + VOCAB_SLICE] = dw_slice.to(weight.dtype)
-            del dw_slice
+        if dw is not None and not dw_direct:
+            dw[v0 : v0 + vocab_slice] = dw_sum
+        del dw_sum
     dh = dh_acc.to(hidden.dtype) if dh_acc is not None else hidden.new_empty(0)
     return dh, (dw if dw is not None else weight.new_empty(0))
 
