@@ -348,6 +348,12 @@ def test_wgrad_out_and_accumulate(dtype, monkeypatch):
             o16 = torch.empty((k, n), dtype=dtype, device=DEVICE)
             gemm_triton.det_gemm_wgrad_with_plan(a, gr, out=o16, **plan)
             assert_bitwise(o16, whole.to(dtype), f"{dtype} out ({plan})")
+    # chunk= names the chunk whatever WGRAD_CHUNK is
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", 2 * chunk)
+    assert_bitwise(gemm_triton.det_gemm_wgrad(a, gr, chunk=chunk), whole, "chunk= argument")
+    with pytest.raises(ValueError, match="multiple of the token step"):
+        gemm_triton.det_gemm_wgrad(a, gr, chunk=chunk + 1)
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
     # the negative control: a multi-chunk partial added afterwards is another association
     naive = gemm_triton.det_gemm_wgrad(a[:chunk], gr[:chunk])
     naive += gemm_triton.det_gemm_wgrad(a[chunk:], gr[chunk:])

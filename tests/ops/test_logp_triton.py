@@ -16,7 +16,6 @@ import torch
 
 from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
-from rl_engine.ops.det_gemm import config as gemm_config
 from rl_engine.ops.det_gemm import triton as gemm_triton
 from rl_engine.ops.entropy import triton as ent_triton
 from rl_engine.ops.linear_logp import triton as ll_triton
@@ -31,16 +30,22 @@ needs_triton = skip_unless_triton(lp_triton)
 DTYPES = TRITON_DTYPES
 TILE = lp_triton.VOCAB_TILE
 # Small chunks (interpreter) so that a few dozen rows cross every boundary. The weight-gradient
-# chunk must be a multiple of the kernels' token step (16 in the interpreter, 64 on the GPU);
-# the backward blocks are multiples of it.
+# chunks must be multiples of the kernels' token step (16 in the interpreter, up to 64 on the
+# GPU); the backward blocks are multiples of them.
 _SMALL_CHUNK = 8
-_SMALL_WGRAD = 64 if ON_GPU else 16
+_SMALL_WGRAD = 128 if ON_GPU else 32
+_SMALL_DH = _SMALL_WGRAD // 2
 _SMALL_SLICE = 256
+
+
+def _patch_wgrad_chunks(monkeypatch):
+    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", _SMALL_WGRAD)
+    monkeypatch.setattr(ll_triton, "DH_CHUNK", _SMALL_DH)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", _SMALL_WGRAD)
+    _patch_wgrad_chunks(monkeypatch)
     monkeypatch.setattr(ll_triton, "TOKEN_CHUNK", _SMALL_CHUNK)
     monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", _SMALL_WGRAD)
     monkeypatch.setattr(ll_triton, "VOCAB_SLICE", _SMALL_SLICE)
@@ -380,44 +385,43 @@ def _backward_vs_wgrad(t, h, v, dtype, temperature=0.7):
     )
     want_dw = gemm_triton.det_gemm_wgrad(dlogits, hidden).to(dtype)
     assert_bitwise(dw, want_dw, "dweight == det_gemm_wgrad(dlogits, hidden)")
-    want_dh = gemm_triton.det_gemm_wgrad(dlogits.t(), weight).to(dtype)
-    assert_bitwise(dh, want_dh, "dhidden == det_gemm_wgrad(dlogits.t(), weight)")
+    want_dh = gemm_triton.det_gemm_wgrad(dlogits.t(), weight, chunk=ll_triton.DH_CHUNK).to(dtype)
+    assert_bitwise(dh, want_dh, "dhidden == det_gemm_wgrad(dlogits.t(), weight, DH_CHUNK)")
 
 
 @needs_triton
 @pytest.mark.parametrize("blocks", [(1, 1), (2, 1), (1, 3), (3, 2)])
 def test_backward_blocks_are_wgrad_chunks(blocks, monkeypatch):
-    # at a small chunk: 2.5 chunks of tokens and 3.3 of vocabulary columns (3 token partials, 4
-    # vocabulary partials, the last ones short); backward blocks of 1-3 chunks each way. Every
-    # size gives the bits of one weight-gradient product over everything: the blocks continue
-    # the running sum chunk by chunk (``accumulate``)
+    # at small chunks: 2.5 token chunks and 3.3 vocabulary chunks' worth of columns (3 token
+    # partials, 7 vocabulary partials, the last ones short); backward blocks of 1-3 chunks
+    # each way. Every size gives the bits of one weight-gradient product over everything: the
+    # blocks continue the running sum chunk by chunk (``accumulate``)
+    _patch_wgrad_chunks(monkeypatch)
     chunk = _SMALL_WGRAD
     t, v = 2 * chunk + chunk // 2, 3 * chunk + 5
-    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
     monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", blocks[0] * chunk)
-    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", blocks[1] * chunk)
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", blocks[1] * _SMALL_DH)
     _backward_vs_wgrad(t, 8, v, torch.float32)
 
 
 @needs_triton
 def test_backward_blocks_must_be_whole_chunks(monkeypatch):
-    chunk = _SMALL_WGRAD
-    monkeypatch.setattr(gemm_triton, "WGRAD_CHUNK", chunk)
-    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", chunk)
-    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", chunk + 1)
+    _patch_wgrad_chunks(monkeypatch)
+    monkeypatch.setattr(ll_triton, "BWD_TOKEN_CHUNK", _SMALL_WGRAD)
+    monkeypatch.setattr(ll_triton, "VOCAB_SLICE", _SMALL_DH + 1)
     with pytest.raises(ValueError, match="multiples of WGRAD_CHUNK"):
         _backward_vs_wgrad(5, 8, 40, torch.float32)
 
 
 def test_shipped_backward_blocks_are_wgrad_chunks():
     assert ll_triton.BWD_TOKEN_CHUNK % gemm_triton.WGRAD_CHUNK == 0
-    assert ll_triton.VOCAB_SLICE % gemm_triton.WGRAD_CHUNK == 0
+    assert ll_triton.VOCAB_SLICE % ll_triton.DH_CHUNK == 0
 
 
 @gpu
 def test_gpu_backward_blocks_are_wgrad_chunks_bf16():
     # shipped blocks on the GPU's kernels (TMA plans): two token blocks of two chunks each (the
-    # last one short), three vocabulary slices
+    # last one short), five vocabulary slices (the last one short)
     c = gemm_triton.WGRAD_CHUNK
     assert ll_triton.BWD_TOKEN_CHUNK == 2 * c
     _backward_vs_wgrad(3 * c + 100, 256, 2 * c + 1029, torch.bfloat16)

@@ -831,6 +831,7 @@ def det_gemm_wgrad_with_plan(
     tma: bool | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """:func:`det_gemm_wgrad` with an explicit launch plan: ``tma`` (the persistent TMA GEMM
     kernel with K = tokens and ``WGRAD_CHUNK`` chunks), else ``split`` over token chunks or one
@@ -855,8 +856,14 @@ def det_gemm_wgrad_with_plan(
     cfg = cfg or get_wgrad_config(a.dtype)
     if on_cpu:
         cfg = cfg.for_interpreter()
+    chunk = WGRAD_CHUNK if chunk is None else chunk
+    if chunk <= 0 or chunk % cfg.block_t:
+        raise ValueError(
+            f"det_gemm_wgrad: chunk={chunk} must be a positive multiple of the token step "
+            f"{cfg.block_t}"
+        )
     tiles = _tr.cdiv(ko, cfg.block_o) * _tr.cdiv(n, cfg.block_n)
-    n_chunks = _tr.cdiv(t, WGRAD_CHUNK) if t > 0 else 0
+    n_chunks = _tr.cdiv(t, chunk) if t > 0 else 0
     if tma is None:
         tma = cfg.tma and tiles >= _WGRAD_SPLIT_BELOW_TILES
     if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
@@ -865,7 +872,7 @@ def det_gemm_wgrad_with_plan(
                 if out is None:
                     out = torch.empty((ko, n), dtype=torch.float32, device=a.device)
                 cfg_t = _wgrad_gemm_config(cfg)
-                _run(a.t(), grad, None, out, cfg_t, WGRAD_CHUNK, group_m=8, acc_init=accumulate)
+                _run(a.t(), grad, None, out, cfg_t, chunk, group_m=8, acc_init=accumulate)
                 return out
     if out is None:
         out = torch.zeros((ko, n), dtype=torch.float32, device=a.device)
@@ -886,7 +893,7 @@ def det_gemm_wgrad_with_plan(
         chunks_per_prog, n_progs = n_chunks, 1
     acc_init = {"ACC_INIT": True} if accumulate else {}
     common = dict(
-        CHUNK=WGRAD_CHUNK,
+        CHUNK=chunk,
         BLOCK_O=cfg.block_o,
         BLOCK_N=cfg.block_n,
         BLOCK_T=cfg.block_t,
@@ -944,6 +951,7 @@ def det_gemm_wgrad(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """``a.t() @ grad`` in fp32 (the weight gradient), tokens reduced in fixed chunks.
 
@@ -954,15 +962,20 @@ def det_gemm_wgrad(
             once, the same bits as ``det_gemm_wgrad(a, grad).to(a.dtype)``).
         accumulate: the sum starts from ``out`` (fp32) instead of 0: ``out = ((out + p0) + p1)
             + ...`` over this call's chunk partials ``p``. So calls over consecutive
-            ``WGRAD_CHUNK``-aligned token ranges, the first without ``accumulate``, give the
-            bits of one call over all the tokens.
+            chunk-aligned token ranges, the first without ``accumulate``, give the bits of
+            one call over all the tokens.
+        chunk: tokens per chunk (default ``WGRAD_CHUNK``; another value is another numerics,
+            e.g. ``linear_logp``'s dhidden reduction over the vocabulary). A multiple of the
+            kernels' token step.
 
     Returns:
         fp32 [K, N] (or ``out``): chunks of ``WGRAD_CHUNK`` tokens, each summed in token order
         into a fresh fp32 accumulator, partials added in chunk order. Deterministic; invariant to
         appended zero rows.
     """
-    return det_gemm_wgrad_with_plan(a, grad, split=None, out=out, accumulate=accumulate)
+    return det_gemm_wgrad_with_plan(
+        a, grad, split=None, out=out, accumulate=accumulate, chunk=chunk
+    )
 
 
 PROVIDER = _tr.triton_provider(

@@ -14,7 +14,7 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
 
   The chunk's logits are the only large temporary: 512 x V in ``hidden.dtype`` (bf16,
   V = 151936: 156 MB, 3.1% of the fp32 [8192, V] logits).
-* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` (8192) tokens x ``VOCAB_SLICE`` (4096) vocabulary
+* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` (8192) tokens x ``VOCAB_SLICE`` (2048) vocabulary
   columns, vocabulary slices outer, token blocks inner, each in order. For each block: the
   logits are recomputed with the same ``det_gemm`` (row and column invariant, so the forward's
   bits), ``dlogits`` are formed **in place** by the shared backward kernel (``logp``'s and
@@ -24,23 +24,24 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
   - ``dweight[slice]``: ``det_gemm_wgrad(dlogits, hidden[rows])`` continuing the fp32 sum of the
     earlier token blocks (``accumulate``), one rounding to ``weight.dtype`` (in the kernel when
     one block covers T);
-  - ``dhidden[rows]``: ``det_gemm_wgrad(dlogits.t(), weight[slice])`` (``dlogits @ W``)
-    continuing the fp32 sum of the earlier slices, one rounding to ``hidden.dtype``.
+  - ``dhidden[rows]``: ``det_gemm_wgrad(dlogits.t(), weight[slice], chunk=DH_CHUNK)``
+    (``dlogits @ W``, the vocabulary in chunks of ``DH_CHUNK`` = 2048 columns) continuing the
+    fp32 sum of the earlier slices, one rounding to ``hidden.dtype``.
 
-  The block sizes are multiples of ``WGRAD_CHUNK`` (4096) of :mod:`rl_engine.ops.det_gemm`, and
-  each product continues the running sum chunk by chunk, so the partials and their order are
-  those of one weight-gradient product over everything: given the same ``dlogits`` [T, V],
-  bitwise and for every T and V (and any block sizes that are multiples of the chunk)::
+  The token blocks are multiples of ``WGRAD_CHUNK`` (4096) of :mod:`rl_engine.ops.det_gemm`, the
+  vocabulary slices multiples of ``DH_CHUNK``, and each product continues the running sum chunk
+  by chunk, so the partials and their order are those of one product over everything: given
+  the same ``dlogits`` [T, V], bitwise and for every T and V (and any such block sizes)::
 
       dweight == det_gemm_wgrad(dlogits, hidden).to(weight.dtype)
-      dhidden == det_gemm_wgrad(dlogits.t(), weight).to(hidden.dtype)
+      dhidden == det_gemm_wgrad(dlogits.t(), weight, chunk=DH_CHUNK).to(hidden.dtype)
 
   dhidden is row invariant (row t depends on row t only); dweight is deterministic and
   invariant to zero-padding rows (zero rows add exact zeros).
-  Peak extra memory of the backward: one [8192, 4096] block in ``hidden.dtype`` (bf16: 64 MB)
-  and fp32 [T, H] for dhidden, plus an fp32 [4096, H] dweight slice when T > 8192; bf16,
-  T = 8192, H = 2048: 128 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 664 MB
-  there, and other bits for T > 8192 or V > 16384.)
+  Peak extra memory of the backward: one [8192, 2048] block in ``hidden.dtype`` (bf16: 32 MB)
+  and fp32 [T, H] for dhidden, plus an fp32 [2048, H] dweight slice when T > 8192; bf16,
+  T = 8192, H = 2048: 96 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 530 MB
+  there; in the trainer benchmark that put rl_engine's peak at 1.05x the Liger stack's.)
 
 Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
 accumulates in fp32 across vocabulary chunks); identity with the ``native`` family, across GPU
@@ -64,6 +65,7 @@ from rl_engine.ops.logp.reference import check_token_range
 
 __all__ = [
     "BWD_TOKEN_CHUNK",
+    "DH_CHUNK",
     "PROVIDER",
     "TOKEN_CHUNK",
     "VOCAB_SLICE",
@@ -74,12 +76,16 @@ __all__ = [
 
 # Forward token chunk: no effect on the bits (row-invariant GEMM and reduction); memory only.
 TOKEN_CHUNK = 512
-# Backward blocks: a launch choice, not numerics. Any multiples of WGRAD_CHUNK give the same bits:
-# each weight-gradient product continues the fp32 sum of the earlier blocks (``accumulate``), so
-# the partials are the WGRAD_CHUNK chunks of one product over all tokens (dweight) or the whole
+# dhidden's vocabulary reduction: fp32 partials over DH_CHUNK columns each (a fresh accumulator),
+# added in vocabulary order (numerics: ``det_gemm_wgrad(dlogits.t(), W, chunk=DH_CHUNK)``).
+# dweight's token reduction is det_gemm_wgrad's own (WGRAD_CHUNK tokens).
+DH_CHUNK = _gemm_config.WGRAD_CHUNK // 2
+# Backward blocks: a launch choice, not numerics. Any multiples of the two chunks give the same
+# bits: each weight-gradient product continues the fp32 sum of the earlier blocks (``accumulate``),
+# so the partials are the chunks of one product over all tokens (dweight) or over the whole
 # vocabulary (dhidden). Memory: one [BWD_TOKEN_CHUNK, VOCAB_SLICE] block in hidden.dtype.
 BWD_TOKEN_CHUNK = 2 * _gemm_config.WGRAD_CHUNK
-VOCAB_SLICE = _gemm_config.WGRAD_CHUNK
+VOCAB_SLICE = DH_CHUNK
 
 NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_vocab.NUMERICS}]"
 
@@ -137,11 +143,12 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
     need_dhidden, need_dweight = args[8:]
     _vocab.check_device(hidden, "linear_logp")
-    tok_block, vocab_slice, chunk = BWD_TOKEN_CHUNK, VOCAB_SLICE, _gemm.WGRAD_CHUNK
-    if min(tok_block, vocab_slice) <= 0 or tok_block % chunk or vocab_slice % chunk:
+    tok_block, vocab_slice, dh_chunk = BWD_TOKEN_CHUNK, VOCAB_SLICE, DH_CHUNK
+    if min(tok_block, vocab_slice) <= 0 or tok_block % _gemm.WGRAD_CHUNK or vocab_slice % dh_chunk:
         raise ValueError(
-            f"linear_logp[triton]: BWD_TOKEN_CHUNK ({tok_block}) and VOCAB_SLICE "
-            f"({vocab_slice}) must be positive multiples of WGRAD_CHUNK ({chunk})"
+            f"linear_logp[triton]: BWD_TOKEN_CHUNK ({tok_block}) must be a positive multiple of "
+            f"WGRAD_CHUNK ({_gemm.WGRAD_CHUNK}) and VOCAB_SLICE ({vocab_slice}) of DH_CHUNK "
+            f"({dh_chunk})"
         )
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
@@ -184,7 +191,9 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if dw_sum is not None:  # continues the token sum of the earlier blocks
                 _gemm.det_gemm_wgrad(block, h, out=dw_sum, accumulate=r0 > 0)
             if dh_acc is not None:  # dlogits @ w, continuing the earlier slices' sum
-                _gemm.det_gemm_wgrad(block.t(), w, out=dh_acc[sl], accumulate=v0 > 0)
+                _gemm.det_gemm_wgrad(
+                    block.t(), w, out=dh_acc[sl], accumulate=v0 > 0, chunk=dh_chunk
+                )
             del block
         if dw is not None and not dw_direct:
             dw[v0 : v0 + vocab_slice] = dw_sum
@@ -226,8 +235,9 @@ PROVIDER = _tr.triton_provider(
     op="linear_logp",
     numerics=NUMERICS,
     fn=linear_logp,
-    # 2: backward blocks [8192, 16384] -> [WGRAD_CHUNK, WGRAD_CHUNK] (memory; new dhidden bits
-    # for V > 16384, new dweight bits for T > 8192)
+    # 2: dhidden over DH_CHUNK vocabulary chunks and dweight over WGRAD_CHUNK token chunks, for
+    # any T and V (v1: fp32 partials of [8192, 16384] blocks; other bits for V > 2048 or
+    # T > 8192); the blocks became a launch choice (memory)
     version="2",
     available=_available,
     extras={"forward": linear_logp_forward, "backward": linear_logp_backward},
