@@ -169,7 +169,8 @@ def _summary(rows: list[dict[str, Any]], t: int) -> dict[str, Any]:
     s["chunks"] = {
         "TOKEN_CHUNK": ll_triton.TOKEN_CHUNK,
         "BWD_TOKEN_CHUNK": ll_triton.BWD_TOKEN_CHUNK,
-        "VOCAB_SLICE": ll_triton.VOCAB_SLICE,
+        "VOCAB_SLICE": ll_triton._vocab_slice(H),
+        "DH_CHUNK": ll_triton.DH_CHUNK,
     }
     return s
 

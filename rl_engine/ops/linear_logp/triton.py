@@ -14,8 +14,9 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
 
   The chunk's logits are the only large temporary: 512 x V in ``hidden.dtype`` (bf16,
   V = 151936: 156 MB, 3.1% of the fp32 [8192, V] logits).
-* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` (8192) tokens x ``VOCAB_SLICE`` (2048) vocabulary
-  columns, vocabulary slices outer, token blocks inner, each in order. For each block: the
+* **Backward.** Blocks of ``BWD_TOKEN_CHUNK`` (8192) tokens x ``VOCAB_SLICE`` vocabulary columns
+  (the hidden size rounded down to a multiple of 2048: 2048 for H = 2048, 4096 for H = 4096),
+  vocabulary slices outer, token blocks inner, each in order. For each block: the
   logits are recomputed with the same ``det_gemm`` (row and column invariant, so the forward's
   bits), ``dlogits`` are formed **in place** by the shared backward kernel (``logp``'s and
   ``entropy``'s formulas, from the forward's ``lse`` / ``entropy``) and rounded to
@@ -38,9 +39,9 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
 
   dhidden is row invariant (row t depends on row t only); dweight is deterministic and
   invariant to zero-padding rows (zero rows add exact zeros).
-  Peak extra memory of the backward: one [8192, 2048] block in ``hidden.dtype`` (bf16: 32 MB)
-  and fp32 [T, H] for dhidden, plus an fp32 [2048, H] dweight slice when T > 8192; bf16,
-  T = 8192, H = 2048: 96 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 530 MB
+  Peak extra memory of the backward: one [8192, VOCAB_SLICE] block in ``hidden.dtype`` (no
+  more elements than dhidden) and fp32 [T, H] for dhidden, plus an fp32 [VOCAB_SLICE, H]
+  dweight slice when T > 8192; bf16, T = 8192, H = 2048: 96 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 530 MB
   there; in the trainer benchmark that put rl_engine's peak at 1.05x the Liger stack's.)
 
 Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
@@ -84,8 +85,18 @@ DH_CHUNK = _gemm_config.WGRAD_CHUNK // 2
 # bits: each weight-gradient product continues the fp32 sum of the earlier blocks (``accumulate``),
 # so the partials are the chunks of one product over all tokens (dweight) or over the whole
 # vocabulary (dhidden). Memory: one [BWD_TOKEN_CHUNK, VOCAB_SLICE] block in hidden.dtype.
+# VOCAB_SLICE None: the largest multiple of DH_CHUNK not above the hidden size (one chunk at
+# least), so that a block holds no more elements than the [T, H] dhidden the backward returns
+# (whose rounding, next to the fp32 sum, is the backward's last and largest moment anyway).
 BWD_TOKEN_CHUNK = 2 * _gemm_config.WGRAD_CHUNK
-VOCAB_SLICE = DH_CHUNK
+VOCAB_SLICE: int | None = None
+
+
+def _vocab_slice(hidden_size: int) -> int:
+    if VOCAB_SLICE is not None:
+        return VOCAB_SLICE
+    return max(DH_CHUNK, hidden_size // DH_CHUNK * DH_CHUNK)
+
 
 NUMERICS = f"linear_logp/{_vocab.NUMERICS}[{_gemm.PROVIDER.numerics}+logp/{_vocab.NUMERICS}]"
 
@@ -143,7 +154,7 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
     need_dhidden, need_dweight = args[8:]
     _vocab.check_device(hidden, "linear_logp")
-    tok_block, vocab_slice, dh_chunk = BWD_TOKEN_CHUNK, VOCAB_SLICE, DH_CHUNK
+    tok_block, vocab_slice, dh_chunk = BWD_TOKEN_CHUNK, _vocab_slice(hidden.shape[1]), DH_CHUNK
     if min(tok_block, vocab_slice) <= 0 or tok_block % _gemm.WGRAD_CHUNK or vocab_slice % dh_chunk:
         raise ValueError(
             f"linear_logp[triton]: BWD_TOKEN_CHUNK ({tok_block}) must be a positive multiple of "
