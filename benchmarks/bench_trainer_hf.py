@@ -19,6 +19,7 @@ the same weights and tokens for every row:
   rl_engine spec and Megatron's local spec; same shape, no QKV bias, their own random weights),
   when megatron-core is importable.
 
+Step time: the median of 15 steps, each timed alone with CUDA events (min and max in the JSON).
 Peak memory is reported above what stays resident between steps (weights and their gradients,
 allocated by the warm-up steps). Also records, per row, whether a sequence's log-probs alone equal the same
 sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``). ``--profile``
@@ -28,6 +29,7 @@ sorted by CUDA time) and the GPU-busy time against the wall time (what host time
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -121,6 +123,22 @@ def _profile(name: str, step, path: Path) -> dict:
     return {"profile_wall_ms": wall * 1e3, "profile_gpu_kernels_ms": gpu_us / 1e3}
 
 
+def _step_times(step, n: int) -> list[float]:
+    """Milliseconds of ``n`` steps, each timed alone with CUDA events (a step is ~150 ms:
+    ``do_bench``'s 100-ms budget would time a single one, and one step's host hiccup then
+    decides the row)."""
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def _row(
     name: str, model, fn, ids: torch.Tensor, quick: bool, profile_to: Path | None = None
 ) -> dict:
@@ -137,7 +155,8 @@ def _row(
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    t_us = common.bench(step, quick=quick)
+    times = _step_times(step, 5 if quick else 15)
+    t_us = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated()
     with torch.no_grad():
         short = ids[:1, :512]
@@ -146,6 +165,9 @@ def _row(
         inside = fn(model, both)[:1]
     row = {
         "step_ms": t_us / 1e3,
+        "step_ms_min": min(times),
+        "step_ms_max": max(times),
+        "timed_steps": len(times),
         "tokens_per_s": ids.numel() / (t_us * 1e-6),
         "weights_gib": weights / 2**30,
         "peak_above_resident_gib": (peak - base) / 2**30,
