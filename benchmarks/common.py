@@ -77,11 +77,30 @@ def device_info() -> dict[str, Any]:
 
 def bench(fn: Callable[[], Any], *, quick: bool = False) -> float:
     """Median time of ``fn`` in microseconds (``triton.testing.do_bench``: warm-up, L2 flush
-    before each call, CUDA events)."""
+    before each call, CUDA events), over at least 5 timed calls (``quick``: 3).
+
+    ``do_bench`` times as many calls as fit in its ``rep`` budget (25 / 100 ms), at least one: a
+    70-ms call (an LM head's forward + backward) got a single timed call and its median was that
+    call. The budget now grows to fit the minimum count (from one timed call first)."""
     from triton.testing import do_bench
 
     warmup, rep = (10, 30) if quick else (25, 100)
+    min_calls = 3 if quick else 5
+    est_ms = _one_call_ms(fn)
+    rep = max(rep, min_calls * est_ms * 1.2)
+    warmup = max(warmup, est_ms * 1.2)
     return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _one_call_ms(fn: Callable[[], Any]) -> float:
+    """One call of ``fn``, timed with CUDA events (after a synchronize)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def cold_copies(tensors: Sequence[torch.Tensor], *, max_sets: int = 16) -> list[tuple]:
