@@ -41,8 +41,9 @@ Numerics (family ``linear_logp/triton-v1024[det_gemm/triton+logp/triton-v1024]``
   invariant to zero-padding rows (zero rows add exact zeros).
   Peak extra memory of the backward: one [8192, VOCAB_SLICE] block in ``hidden.dtype`` (no
   more elements than dhidden) and fp32 [T, H] for dhidden, plus an fp32 [VOCAB_SLICE, H]
-  dweight slice when T > 8192; bf16, T = 8192, H = 2048: 96 MB. None of it is [T, V]. (Version 1: [8192, 16384] blocks, 530 MB
-  there; in the trainer benchmark that put rl_engine's peak at 1.05x the Liger stack's.)
+  dweight slice when T > 8192; bf16, T = 8192, H = 2048: 96 MB. None of it is [T, V].
+  (Version 1: [8192, 16384] blocks and separate fp32 partials, 530 MB there; in the trainer
+  benchmark that put rl_engine's peak at 1.05x the Liger stack's.)
 
 Not promised: the backward equals the unfused composition's backward bitwise (dhidden here
 accumulates in fp32 across vocabulary chunks); identity with the ``native`` family, across GPU
