@@ -22,7 +22,8 @@ the same weights and tokens for every row:
 Step time: the median of 15 steps, each timed alone with CUDA events (min and max in the JSON).
 Peak memory is reported above what stays resident between steps (weights and their gradients,
 allocated by the warm-up steps). Also records, per row, whether a sequence's log-probs alone equal the same
-sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``). ``--profile``
+sequence inside the batch. Writes ``DIR/trainer_hf.json`` (+ ``trainer_hf.png``; ``--replot
+JSON`` redraws a saved JSON's figure on any machine). ``--profile``
 also writes ``DIR/trainer_hf_profile.txt``: per row, the GPU kernels of two steps (torch.profiler,
 sorted by CUDA time) and the GPU-busy time against the wall time (what host time costs).
 """
@@ -321,7 +322,50 @@ def main() -> None:
         ],
         ["path", "ms/step", "x fastest", "peak GiB", "bitwise alone/batch"],
     )
+    plot(args.out / "trainer_hf.png", payload)
+
+
+def plot(path: Path, payload: dict) -> None:
+    """Step time (median, bars from the fastest to the slowest timed step) and peak memory per
+    row, with the target's lines: 1.10x the fastest baseline's time, its peak."""
+    results = payload["results"]
+    names = list(results)
+    fastest = results[payload["fastest_baseline"]]
+    colors = ["tab:green" if n.startswith("rl_engine") else "tab:gray" for n in names]
+
+    def draw(axes):
+        ms = [results[n]["step_ms"] for n in names]
+        lo = [ms[i] - results[n].get("step_ms_min", ms[i]) for i, n in enumerate(names)]
+        hi = [results[n].get("step_ms_max", ms[i]) - ms[i] for i, n in enumerate(names)]
+        bars = axes[0].barh(names, ms, xerr=[lo, hi], color=colors, capsize=3)
+        axes[0].bar_label(bars, labels=[f"{v:.1f}" for v in ms], label_type="center")
+        axes[0].axvline(1.10 * fastest["step_ms"], color="k", ls="--", label="1.10x fastest")
+        axes[0].set_xlabel("ms / step (median; min-max)")
+        axes[0].legend(loc="lower right")
+        axes[0].invert_yaxis()
+        peaks = [results[n]["peak_above_resident_gib"] for n in names]
+        bars = axes[1].barh(names, peaks, color=colors)
+        axes[1].bar_label(bars, labels=[f"{v:.3f}" for v in peaks], padding=3)
+        axes[1].axvline(fastest["peak_above_resident_gib"], color="k", ls="--",
+                        label="fastest baseline's peak")  # fmt: skip
+        axes[1].set_xlim(0, max(peaks) * 1.2)
+        axes[1].set_xlabel("peak GiB above resident")
+        axes[1].legend(loc="lower right")
+        axes[1].invert_yaxis()
+        m = payload["model"]
+        axes[0].set_title(
+            f"{payload.get('device', '')}: {m['layers']} layers, H {m['hidden']}, "
+            f"{m['batch']} x {m['seq']} tokens"
+        )
+
+    common.save_figure(path, draw, ncols=2, figsize=(13, 4.5), dpi=120)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # redraw from a saved JSON (no GPU)
+        import json
+
+        src = Path(sys.argv[2])
+        plot(src.with_suffix(".png"), json.loads(src.read_text()))
+    else:
+        main()
