@@ -54,6 +54,15 @@ def test_grpo_loss_and_linear_logp_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_trainer_hf_plot(tmp_path):
+    # the committed H100 run (an unavailable row, min / max step times) and the H200 one
+    for gpu in ("h100", "h200"):
+        payload = json.loads((RESULTS.parent / gpu / "trainer_hf.json").read_text())
+        path = tmp_path / f"trainer_hf_{gpu}.png"
+        _bench("trainer_hf").plot(path, payload)
+        assert path.stat().st_size > 1000
+
+
 def test_save_figure_without_matplotlib_writes_nothing(tmp_path, monkeypatch, capsys):
     common = importlib.import_module("common")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
