@@ -128,16 +128,7 @@ def _step_times(step, n: int) -> list[float]:
     """Milliseconds of ``n`` steps, each timed alone with CUDA events (a step is ~150 ms:
     ``do_bench``'s 100-ms budget would time a single one, and one step's host hiccup then
     decides the row)."""
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    return [common.one_call_ms(step) for _ in range(n)]
 
 
 def _row(

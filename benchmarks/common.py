@@ -86,13 +86,13 @@ def bench(fn: Callable[[], Any], *, quick: bool = False) -> float:
 
     warmup, rep = (10, 30) if quick else (25, 100)
     min_calls = 3 if quick else 5
-    est_ms = _one_call_ms(fn)
+    est_ms = one_call_ms(fn)
     rep = max(rep, min_calls * est_ms * 1.2)
     warmup = max(warmup, est_ms * 1.2)
     return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def _one_call_ms(fn: Callable[[], Any]) -> float:
+def one_call_ms(fn: Callable[[], Any]) -> float:
     """One call of ``fn``, timed with CUDA events (after a synchronize)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
