@@ -5,8 +5,8 @@ Usage: ``python benchmarks/bench_attention.py [--out DIR] [--quick]``.
 Writes ``DIR/attention.json`` and ``DIR/attention.png``. bf16, heads from ``shapes.py``
 (Llama-3-8B: 32 q / 8 kv heads, D=128):
 
-* prefill, causal, ``B`` sequences of 4096 tokens: forward, and forward + backward, of the
-  ``triton`` provider (public ``rl_engine.ops.attention``, packed varlen) vs
+* prefill, causal, the grid of issue 17 (GQA 32 / 8 and 16 / 8 heads, D=128; 4k and 16k tokens:
+  1 x 4096, 4 x 4096 packed, 1 x 16384): forward, and forward + backward, of the ``triton`` provider (public ``rl_engine.ops.attention``, packed varlen) vs
   ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend
   (``enable_gqa=True`` when the flash kernel takes it, else K/V heads repeated beforehand, outside
   the timing; the JSON says which). ``ratio`` = sdpa_us / ours_us (higher is better), TFLOP/s
@@ -36,7 +36,15 @@ from rl_engine.ops import attention, paged_attention  # noqa: E402
 
 HQ, HKV, D = ATTENTION_HEADS[0]  # Llama-3-8B
 SEQ = 4096
-PREFILL_BATCHES = (1, 4)
+# (query heads, KV heads, sequences, tokens per sequence); --quick: the first only
+PREFILL_CASES = (
+    (HQ, HKV, 1, SEQ),
+    (HQ, HKV, 4, SEQ),
+    (HQ, HKV, 1, 4 * SEQ),
+    (16, HKV, 1, SEQ),
+    (16, HKV, 4, SEQ),
+    (16, HKV, 1, 4 * SEQ),
+)
 DECODE_SEQS, DECODE_CTX, PAGE = 64, 4096, 16
 DT = torch.bfloat16
 DEV = "cuda"  # (a smoke test may point this at the CPU with TRITON_INTERPRET=1)
@@ -53,27 +61,28 @@ def _sdpa_flash(q4, k4, v4, gqa: bool):
         return torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
 
 
-def _sdpa_setup(q, k, v, b):
+def _sdpa_setup(q, k, v, b, seq):
     """[B*L, H, D] packed -> [B, H, L, D] views; GQA through enable_gqa or repeated heads."""
-    q4, k4, v4 = (x.view(b, SEQ, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
+    q4, k4, v4 = (x.view(b, seq, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
     try:
         _sdpa_flash(q4, k4, v4, gqa=True)
         return q4, k4, v4, True, "sdpa_flash_enable_gqa"
     except RuntimeError:
-        rep = HQ // HKV
+        rep = q.shape[1] // k.shape[1]
         k4 = k4.repeat_interleave(rep, dim=1)
         v4 = v4.repeat_interleave(rep, dim=1)
         _sdpa_flash(q4, k4, v4, gqa=False)
         return q4, k4, v4, False, "sdpa_flash_repeat_kv"
 
 
-def prefill(args, b: int, backend: str = "triton") -> dict:
-    t = b * SEQ
-    q = torch.randn(t, HQ, D, device=DEV, dtype=DT)
-    k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
-    v = torch.randn(t, HKV, D, device=DEV, dtype=DT)
-    g = torch.randn(t, HQ, D, device=DEV, dtype=DT)
-    cu = torch.arange(0, t + 1, SEQ, device=DEV, dtype=torch.int32)
+def prefill(args, case: tuple[int, int, int, int], backend: str = "triton") -> dict:
+    hq, hkv, b, seq = case
+    t = b * seq
+    q = torch.randn(t, hq, D, device=DEV, dtype=DT)
+    k = torch.randn(t, hkv, D, device=DEV, dtype=DT)
+    v = torch.randn(t, hkv, D, device=DEV, dtype=DT)
+    g = torch.randn(t, hq, D, device=DEV, dtype=DT)
+    cu = torch.arange(0, t + 1, seq, device=DEV, dtype=torch.int32)
 
     def ours_fwd():
         return attention(q, k, v, cu, backend=backend)
@@ -84,8 +93,8 @@ def prefill(args, b: int, backend: str = "triton") -> dict:
         out = attention(qg, kg, vg, cu, backend=backend)
         torch.autograd.grad(out, (qg, kg, vg), g)
 
-    q4, k4, v4, gqa, baseline = _sdpa_setup(q, k, v, b)
-    g4 = g.view(b, SEQ, HQ, D).transpose(1, 2)
+    q4, k4, v4, gqa, baseline = _sdpa_setup(q, k, v, b, seq)
+    g4 = g.view(b, seq, hq, D).transpose(1, 2)
     q4g, k4g, v4g = (x.detach().clone().requires_grad_(True) for x in (q4, k4, v4))
 
     def sdpa_fwd():
@@ -101,14 +110,14 @@ def prefill(args, b: int, backend: str = "triton") -> dict:
         "sdpa_fwd": common.bench(sdpa_fwd, quick=args.quick),
         "sdpa_fwd_bwd": common.bench(sdpa_fwd_bwd, quick=args.quick),
     }
-    flops_fwd = 4.0 * b * SEQ * SEQ / 2 * HQ * D
+    flops_fwd = 4.0 * b * seq * seq / 2 * hq * D
     flops_fb = flops_fwd * 3.5  # forward + backward (2.5x the forward)
     r = {
         "case": "prefill",
         "provider": backend,
         "batch": b,
-        "seq": SEQ,
-        "heads": [HQ, HKV, D],
+        "seq": seq,
+        "heads": [hq, hkv, D],
         "dtype": "bf16",
         "baseline": baseline,
         **{f"{n}_us": val for n, val in tm.items()},
@@ -121,7 +130,7 @@ def prefill(args, b: int, backend: str = "triton") -> dict:
     }
     return common.progress(
         r,
-        "attention[{provider}] prefill B={batch} L={seq}: fwd {fwd_us:9.1f} us "
+        "attention[{provider}] prefill {heads} B={batch} L={seq}: fwd {fwd_us:9.1f} us "
         "({fwd_tflop_s:.0f} TFLOP/s, {fwd_ratio_vs_sdpa:.2f}x sdpa)  fwd+bwd {fwd_bwd_us:9.1f} us "
         "({fwd_bwd_ratio_vs_sdpa:.2f}x sdpa) [{baseline}]",
     )
@@ -199,7 +208,11 @@ def decode(args, copy_tb_s: float, backend: str = "triton") -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     def draw(axes):
         pre = [r for r in rows if r["case"] == "prefill"]
-        labels = [f"{r['provider']} B={r['batch']}" for r in pre]
+        labels = [
+            f"{'split ' if r['provider'] != 'triton' else ''}{r['heads'][0]}/{r['heads'][1]}\n"
+            f"{r['batch']}x{r['seq'] // 1024}k"
+            for r in pre
+        ]
         x = range(len(pre))
         axes[0].bar([i - 0.2 for i in x], [r["fwd_ratio_vs_sdpa"] for r in pre], 0.4, label="fwd")
         axes[0].bar(
@@ -207,25 +220,27 @@ def plot(rows: list[dict], path: Path) -> None:
         )
         axes[0].set_xticks(list(x), labels)
         axes[0].axhline(1.0, color="k", lw=0.8)
+        axes[0].axhline(0.9, color="C0", lw=0.8, ls="--", label="target fwd")
+        axes[0].axhline(0.8, color="C1", lw=0.8, ls="--", label="target fwd+bwd")
         axes[0].set_ylabel("SDPA flash time / rl_engine time")
-        axes[0].set_title(f"prefill L={SEQ}, {HQ}/{HKV} heads, D={D}, bf16")
-        axes[0].legend()
+        axes[0].set_title(f"causal prefill, q/kv heads, sequences x tokens, D={D}, bf16")
+        axes[0].legend(loc="lower right")
         dec = [r for r in rows if r["case"] == "decode"]
         axes[1].bar([r["provider"] for r in dec], [r["kv_bw_frac"] for r in dec])
         axes[1].axhline(1.0, color="k", lw=0.8)
         axes[1].set_ylabel("KV bytes / time / copy bandwidth")
         axes[1].set_title(f"decode {DECODE_SEQS} x {DECODE_CTX}, page {PAGE}")
 
-    common.save_figure(path, draw, ncols=2, figsize=(11, 4))
+    common.save_figure(path, draw, ncols=2, figsize=(14, 4))
 
 
 def run(args, copy_tb_s: float) -> list[dict]:
     """Prefill rows (one batch with ``--quick``), the decode row, then the split family's
     prefill and decode rows (KV splits fixed in positions: split-KV decode, same bits as its
     prefill)."""
-    rows = [prefill(args, b) for b in (PREFILL_BATCHES[:1] if args.quick else PREFILL_BATCHES)]
+    rows = [prefill(args, c) for c in (PREFILL_CASES[:1] if args.quick else PREFILL_CASES)]
     rows.append(decode(args, copy_tb_s))
-    rows.append(prefill(args, PREFILL_BATCHES[0], "triton_split"))
+    rows.append(prefill(args, PREFILL_CASES[0], "triton_split"))
     rows.append(decode(args, copy_tb_s, "triton_split"))
     return rows
 
@@ -233,7 +248,14 @@ def run(args, copy_tb_s: float) -> list[dict]:
 def summarize(rows: list[dict]) -> dict:
     pre, dec = rows[0], rows[-3]  # the first triton prefill row, the triton decode row
     pre_s, dec_s = rows[-2], rows[-1]
+    grid = [r for r in rows if r["case"] == "prefill" and r["provider"] == "triton"]
     return {
+        "grid_fwd_ratio_min": min(r["fwd_ratio_vs_sdpa"] for r in grid),
+        "grid_fwd_ratio_geomean": common.geomean([r["fwd_ratio_vs_sdpa"] for r in grid]),
+        "grid_fwd_bwd_ratio_min": min(r["fwd_bwd_ratio_vs_sdpa"] for r in grid),
+        "grid_fwd_bwd_ratio_geomean": common.geomean([r["fwd_bwd_ratio_vs_sdpa"] for r in grid]),
+        "target_fwd_ratio": 0.9,
+        "target_fwd_bwd_ratio": 0.8,
         "prefill_fwd_ratio_vs_sdpa": pre["fwd_ratio_vs_sdpa"],
         "prefill_fwd_bwd_ratio_vs_sdpa": pre["fwd_bwd_ratio_vs_sdpa"],
         "prefill_fwd_tflop_s": pre["fwd_tflop_s"],

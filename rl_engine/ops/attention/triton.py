@@ -3,9 +3,15 @@
 Numerics (family ``attention/triton``): a program owns ``BLOCK_M`` *rows* of one sequence and one
 KV head, a row being a (query token, query head of that KV head's group) pair, so GQA heads share
 the key/value tiles. It walks the KV tiles of ``BLOCK_N`` positions aligned to absolute position
-0, in order, up to the tile holding its last row's position, with the same online softmax as the
-reference (fp32 statistics, ``alpha = 1`` when the max does not move, exact zeros for masked
-positions, ``P`` rounded to the input dtype before ``P @ V``). Prefill (``PAGED=False``: keys are
+0, in order, up to the tile holding its last row's position, with the reference's online softmax in
+base 2 (version 2): raw fp32 scores ``s = q @ k``, running max ``m = max(m, max(s) * c)`` with
+``c = scale * log2(e)`` (rounded once, on the host), ``p = exp2(fma(s, c, -m))`` (one explicit FMA),
+``alpha = 1`` when the max does not move, exact zeros for masked positions (a masked score is
+``-inf``), ``P`` rounded to the input dtype before ``P @ V``; ``lse = (m + log2(l)) * ln(2)``. The
+tiles every row of a program sees whole run without masks (the causal interior: the FA2 split
+of the loop); for a row that sees a tile whole, the masked and unmasked steps do the same
+operations on the same values, so a row's bits do not depend on which step its program took
+(which depends on the other rows of the block). Prefill (``PAGED=False``: keys are
 packed rows) and paged attention (``PAGED=True``: keys are gathered through the block table) are
 the *same* kernel with the same tile shape, warps and order; only the addresses differ. A tile that
 is fully masked for a row leaves that row bitwise unchanged, and rows never mix inside a tile,
@@ -15,7 +21,8 @@ token count); there is no split-KV.
 
 Backward (deterministic, no atomics): ``delta = rowsum(dO * O)`` kernel; a dK/dV kernel where a
 program owns one KV tile and loops over the query row blocks in order; a dQ kernel where a
-program owns a row block and loops over the KV tiles in order (dQ is row invariant).
+program owns a row block and loops over the KV tiles in order (dQ is row invariant). Both
+recompute ``P`` in base 2 and skip the masks on the blocks / tiles that need none.
 
 Not promised: identity with the ``native`` family, across GPU models, or across Triton versions.
 On the CPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``); test fp32 / fp16
@@ -48,6 +55,7 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs in base 2
 # The split family (provider ``triton_split``): KV splits of SPLIT_POSITIONS positions from
 # position 0 (part of its numerics; never derived from the batch or the sequence count).
 SPLIT_POSITIONS = 512
@@ -227,6 +235,83 @@ if triton is not None:
         return q, do, lse, delta
 
     @triton.jit
+    def _attend_tile(
+        q,
+        K,
+        V,
+        BLOCK_TABLE,
+        b,
+        kvh,
+        q_start,
+        kv_len,
+        q_pos,
+        row_ok,
+        offs_d,
+        d_ok,
+        page_size,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        qk_scale,
+        j,
+        m_i,
+        l_i,
+        acc,
+        BLOCK_N: tl.constexpr,
+        PAGED: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        # KV tile j: one step of the online softmax (module docstring), in base 2: the running
+        # max m is in units of log2 (scores times qk_scale = scale * log2(e)). MASKED=False is
+        # for a tile every row of the block sees whole (no position past a row's own, none past
+        # kv_len): it skips the masks, and for a row that sees the whole tile both variants run
+        # the same operations on the same values (a masked score is -inf and adds an exact 0).
+        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < kv_len
+        if MASKED:
+            ld_msk = kv_ok[:, None] & d_ok[None, :]
+        else:
+            ld_msk = d_ok[None, :]
+        if PAGED:
+            if MASKED:
+                page = tl.load(
+                    BLOCK_TABLE + b.to(tl.int64) * stride_bt + kv_pos // page_size,
+                    mask=kv_ok,
+                    other=0,
+                ).to(tl.int64)
+            else:
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + kv_pos // page_size)
+                page = page.to(tl.int64)
+            slot = (kv_pos % page_size).to(tl.int64)
+            k_off = page * stride_kb + slot * stride_kt
+            v_off = page * stride_vb + slot * stride_vt
+        else:
+            kv_rows = (q_start + kv_pos).to(tl.int64)
+            k_off = kv_rows * stride_kt
+            v_off = kv_rows * stride_vt
+        kk = tl.load(K + k_off[:, None] + kvh * stride_kh + offs_d[None, :], mask=ld_msk, other=0.0)
+        s = tl.dot(q, tl.trans(kk), input_precision="ieee")  # raw scores
+        if MASKED:
+            mask = row_ok[:, None] & kv_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[None, :] <= q_pos[:, None])
+            s = tl.where(mask, s, float("-inf"))
+        # max(s) * c == max(s * c) (rounding is monotonic, c > 0); exponent as one explicit FMA
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_use))
+        p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None]))  # exp2(-inf) = 0: masked scores
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vv = tl.load(V + v_off[:, None] + kvh * stride_vh + offs_d[None, :], mask=ld_msk, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def _attend_tiles(
         q,
         K,
@@ -248,9 +333,10 @@ if triton is not None:
         stride_vt,
         stride_vh,
         stride_bt,
-        scale,
+        qk_scale,
         j_begin,
         j_end,
+        j_full,
         m_i,
         l_i,
         acc,
@@ -258,46 +344,21 @@ if triton is not None:
         PAGED: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
-        # KV tiles j_begin .. j_end - 1 in order: the online softmax of the module docstring.
-        offs_n = tl.arange(0, BLOCK_N)
-        for j in range(j_begin, j_end):
-            kv_pos = j * BLOCK_N + offs_n
-            kv_ok = kv_pos < kv_len
-            if PAGED:
-                page = tl.load(
-                    BLOCK_TABLE + b.to(tl.int64) * stride_bt + kv_pos // page_size,
-                    mask=kv_ok,
-                    other=0,
-                ).to(tl.int64)
-                slot = (kv_pos % page_size).to(tl.int64)
-                k_off = page * stride_kb + slot * stride_kt
-                v_off = page * stride_vb + slot * stride_vt
-            else:
-                kv_rows = (q_start + kv_pos).to(tl.int64)
-                k_off = kv_rows * stride_kt
-                v_off = kv_rows * stride_vt
-            kk = tl.load(
-                K + k_off[:, None] + kvh * stride_kh + offs_d[None, :],
-                mask=kv_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
-            mask = row_ok[:, None] & kv_ok[None, :]
-            if CAUSAL:
-                mask = mask & (kv_pos[None, :] <= q_pos[:, None])
-            s = tl.where(mask, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_use))
-            p = tl.where(mask, tl.exp(s - m_use[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vv = tl.load(
-                V + v_off[:, None] + kvh * stride_vh + offs_d[None, :],
-                mask=kv_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
-            m_i = m_new
+        # KV tiles j_begin .. j_end - 1 in order; tiles below j_full (whole for every row of the
+        # block) without masks, the rest with them.
+        j_mid = tl.minimum(tl.maximum(j_full, j_begin), j_end)
+        for j in range(j_begin, j_mid):
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
+                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_bt, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, False,
+            )  # fmt: skip
+        for j in range(j_mid, j_end):
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
+                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_bt, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, True,
+            )  # fmt: skip
         return m_i, l_i, acc
 
     @triton.jit
@@ -306,8 +367,8 @@ if triton is not None:
         # that saw no key (l_s == 0) is skipped, so visiting more (fully masked) splits cannot
         # change a row. Explicit FMAs: the same operations wherever this is inlined.
         m_new = tl.maximum(m_t, m_s)
-        a = tl.where(m_new == m_t, 1.0, tl.exp(m_t - m_new))
-        b = tl.where(m_new == m_s, 1.0, tl.exp(m_s - m_new))
+        a = tl.where(m_new == m_t, 1.0, tl.exp2(m_t - m_new))
+        b = tl.where(m_new == m_s, 1.0, tl.exp2(m_s - m_new))
         take = l_s > 0.0
         l_new = tl.fma(l_t, a, l_s * b)
         acc_new = tl.fma(acc_t, a[:, None], acc_s * b[:, None])
@@ -345,7 +406,7 @@ if triton is not None:
         stride_bt,
         stride_lt,
         stride_ps,
-        scale,
+        qk_scale,
         G: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -378,8 +439,11 @@ if triton is not None:
         q_rows = (q_start + tok).to(tl.int64)
         if CAUSAL:
             hi = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), axis=0) + 1, kv_len)
+            # tiles every row of the block sees whole: up to its first row's position
+            j_full = (tl.min(tl.where(row_ok, q_pos, kv_len), axis=0) + 1) // BLOCK_N
         else:
             hi = kv_len
+            j_full = kv_len // BLOCK_N
         n_tiles = tl.cdiv(hi, BLOCK_N)
         if SPLIT_PROGRAM:
             j_begin = tl.program_id(2) * SPLIT_TILES
@@ -397,8 +461,8 @@ if triton is not None:
             m_i, l_i, acc = _attend_tiles(
                 q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
                 page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, scale, j_begin, tl.minimum(j_begin + SPLIT_TILES, n_tiles),
-                m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+                stride_bt, qk_scale, j_begin, tl.minimum(j_begin + SPLIT_TILES, n_tiles),
+                j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
             )  # fmt: skip
             split = tl.program_id(2).to(tl.int64) * stride_ps
             hrow = q_rows * stride_lt + head
@@ -414,7 +478,7 @@ if triton is not None:
             m_i, l_i, acc = _attend_tiles(
                 q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
                 page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, scale, 0, n_tiles, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+                stride_bt, qk_scale, 0, n_tiles, j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
             )  # fmt: skip
         else:
             m_t = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -424,8 +488,8 @@ if triton is not None:
                 m_s, l_s, acc_s = _attend_tiles(
                     q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d,
                     d_ok, page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                    stride_vh, stride_bt, scale, j0, tl.minimum(j0 + SPLIT_TILES, n_tiles),
-                    m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
+                    stride_vh, stride_bt, qk_scale, j0, tl.minimum(j0 + SPLIT_TILES, n_tiles),
+                    j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
                 )  # fmt: skip
                 m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s)
             m_i, l_i, acc = m_t, l_t, acc_t
@@ -437,7 +501,8 @@ if triton is not None:
             mask=row_ok[:, None] & d_ok[None, :],
         )
         if STORE_LSE:
-            tl.store(LSE + q_rows * stride_lt + head, m_i + tl.log(l_safe), mask=row_ok)
+            lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # base 2 -> natural log
+            tl.store(LSE + q_rows * stride_lt + head, lse, mask=row_ok)
 
     @triton.jit
     def _attention_combine_kernel(
@@ -521,6 +586,71 @@ if triton is not None:
         tl.store(DELTA + rows, delta, mask=ok)
 
     @triton.jit
+    def _dkdv_block(
+        Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d, d_ok,
+        stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
+        G: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        # Row block i's share of the KV tile's dK / dV. MASKED=False: a block whose rows are all
+        # in the sequence and all at or past the tile's last position (no mask needed).
+        row_ok, tok, head = _row_block(i * BLOCK_M, n_rows, kvh, G, BLOCK_M)
+        q_rows = (start + tok).to(tl.int64)
+        if MASKED:
+            r_msk = row_ok[:, None] & d_ok[None, :]
+        else:
+            r_msk = d_ok[None, :]
+        q, do, lse, delta = _load_q_rows(
+            Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
+            stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
+        )  # fmt: skip
+        st = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M] raw scores
+        pt = tl.exp2(st * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if MASKED:
+            mask = kv_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[:, None] <= tok[None, :])
+            pt = tl.where(mask, pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision="ieee")
+        dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+        dst = pt * (dpt - delta[None, :])
+        if MASKED:
+            dst = tl.where(mask, dst, 0.0)
+        dk += tl.dot(dst.to(q.dtype), q, input_precision="ieee")
+        return dk, dv
+
+    @triton.jit
+    def _dq_tile(
+        K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
+        stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        # KV tile j's share of the row block's dQ. MASKED=False: a tile every row of the block
+        # sees whole (padding rows, with zero q / dO, add exact zeros and are not stored).
+        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < seq_len
+        kv_rows = (start + kv_pos).to(tl.int64)
+        if MASKED:
+            t_msk = kv_ok[:, None] & d_ok[None, :]
+        else:
+            t_msk = d_ok[None, :]
+        kk, vv = _load_kv_rows(
+            K, V, kv_rows, kvh, t_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
+        )
+        s = tl.dot(q, tl.trans(kk), input_precision="ieee")
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            mask = row_ok[:, None] & kv_ok[None, :]
+            if CAUSAL:
+                mask = mask & (kv_pos[None, :] <= tok[:, None])
+            p = tl.where(mask, p, 0.0)
+        dp = tl.dot(do, tl.trans(vv), input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        if MASKED:
+            ds = tl.where(mask, ds, 0.0)
+        dq += tl.dot(ds.to(kk.dtype), kk, input_precision="ieee")
+        return dq
+
+    @triton.jit
     def _attention_bwd_dkdv_kernel(
         Q,
         K,
@@ -547,6 +677,7 @@ if triton is not None:
         stride_dvh,
         stride_lt,
         scale,
+        qk_scale,
         G: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -571,27 +702,36 @@ if triton is not None:
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         n_rows = seq_len * G
+        i_end = tl.cdiv(n_rows, BLOCK_M)
+        i_whole = n_rows // BLOCK_M  # blocks below this one have every row in the sequence
         if CAUSAL:
             i_first = (n0 * G) // BLOCK_M
+            # blocks from i_free on start at or past the tile's last position
+            i_free = tl.maximum(tl.cdiv((n0 + BLOCK_N - 1) * G, BLOCK_M), i_first)
         else:
             i_first = 0
-        for i in range(i_first, tl.cdiv(n_rows, BLOCK_M)):
-            row_ok, tok, head = _row_block(i * BLOCK_M, n_rows, kvh, G, BLOCK_M)
-            q_rows = (start + tok).to(tl.int64)
-            r_msk = row_ok[:, None] & d_ok[None, :]
-            q, do, lse, delta = _load_q_rows(
-                Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
-                stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
+            i_free = 0
+        if n0 + BLOCK_N > seq_len:  # a tile past the sequence's end: masks everywhere
+            i_free = i_end
+        # in order: masked blocks (diagonal), unmasked ones, masked ones (the partial last)
+        for i in range(i_first, i_free):
+            dk, dv = _dkdv_block(
+                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
+                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
+                G, BLOCK_M, CAUSAL, True,
             )  # fmt: skip
-            st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale  # [BLOCK_N, BLOCK_M]
-            mask = kv_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                mask = mask & (kv_pos[:, None] <= tok[None, :])
-            pt = tl.where(mask, tl.exp(st - lse[None, :]), 0.0)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision="ieee")
-            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
-            dst = tl.where(mask, pt * (dpt - delta[None, :]), 0.0)
-            dk += tl.dot(dst.to(q.dtype), q, input_precision="ieee")
+        for i in range(i_free, i_whole):
+            dk, dv = _dkdv_block(
+                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
+                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
+                G, BLOCK_M, CAUSAL, False,
+            )  # fmt: skip
+        for i in range(tl.maximum(i_free, i_whole), i_end):
+            dk, dv = _dkdv_block(
+                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
+                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
+                G, BLOCK_M, CAUSAL, True,
+            )  # fmt: skip
         dk = dk * scale
         tl.store(
             _kv_ptrs(DK, kv_rows, kvh, stride_dkt, stride_dkh, offs_d),
@@ -628,6 +768,7 @@ if triton is not None:
         stride_dqh,
         stride_lt,
         scale,
+        qk_scale,
         G: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -651,26 +792,24 @@ if triton is not None:
         )  # fmt: skip
         if CAUSAL:
             hi = tl.minimum(tl.max(tl.where(row_ok, tok, 0), axis=0) + 1, seq_len)
+            j_full = (tl.min(tl.where(row_ok, tok, seq_len), axis=0) + 1) // BLOCK_N
         else:
             hi = seq_len
+            j_full = seq_len // BLOCK_N
+        n_tiles = tl.cdiv(hi, BLOCK_N)
+        j_full = tl.minimum(j_full, n_tiles)
+        lse2 = lse * 1.4426950408889634  # base 2, as the scores
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        for j in range(0, tl.cdiv(hi, BLOCK_N)):
-            kv_pos = j * BLOCK_N + offs_n
-            kv_ok = kv_pos < seq_len
-            kv_rows = (start + kv_pos).to(tl.int64)
-            t_msk = kv_ok[:, None] & d_ok[None, :]
-            kk, vv = _load_kv_rows(
-                K, V, kv_rows, kvh, t_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
-            )
-            s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
-            mask = row_ok[:, None] & kv_ok[None, :]
-            if CAUSAL:
-                mask = mask & (kv_pos[None, :] <= tok[:, None])
-            p = tl.where(mask, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(vv), input_precision="ieee")
-            ds = tl.where(mask, p * (dp - delta[:, None]), 0.0)
-            dq += tl.dot(ds.to(kk.dtype), kk, input_precision="ieee")
+        for j in range(0, j_full):
+            dq = _dq_tile(
+                K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, BLOCK_N, CAUSAL, False,
+            )  # fmt: skip
+        for j in range(j_full, n_tiles):
+            dq = _dq_tile(
+                K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, BLOCK_N, CAUSAL, True,
+            )  # fmt: skip
         dq = dq * scale
         tl.store(
             _row_ptrs(DQ, q_rows, head, stride_dqt, stride_dqh, offs_d),
@@ -836,7 +975,7 @@ def _launch_fwd(
             bt_stride,
             hq,
             t * hq,
-            scale,
+            scale * LOG2E,  # the kernel's scores are in base 2
             G=g,
             HEAD_DIM=d,
             BLOCK_D=block_d,
@@ -1038,6 +1177,7 @@ def attention_bwd(
                 *_th_strides(*outs),
                 hq,
                 scale,
+                scale * LOG2E,
                 **common,
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
@@ -1051,7 +1191,7 @@ PROVIDER = _tr.triton_provider(
     op="attention",
     numerics="attention/triton",
     fn=attention,
-    version="1",
+    version="2",
     extras={
         "attention_bwd": attention_bwd,
         "paged_attention": paged_attention,
