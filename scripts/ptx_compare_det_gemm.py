@@ -62,7 +62,7 @@ def _setups(mod):
                 tma_types(128, 256, 64, False, b_kmajor, "*bf16"),
                 dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, KC_TILES=64,
                      MULTI_CHUNK=multi, SPLIT=False, HAS_BIAS=False, A_MMAJOR=False,
-                     B_KMAJOR=b_kmajor, stride_cn=1),
+                     B_KMAJOR=b_kmajor, stride_cn=1, ACC_INIT=False),
                 {"num_warps": 8, "num_stages": 3},
             ))  # fmt: skip
         out.append((  # the weight gradient's TMA plan: fp32 out, a.t(), 128x128x64
@@ -70,7 +70,8 @@ def _setups(mod):
             tma,
             tma_types(128, 128, 64, True, False, "*fp32"),
             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, KC_TILES=64, MULTI_CHUNK=multi,
-                 SPLIT=False, HAS_BIAS=False, A_MMAJOR=True, B_KMAJOR=False, stride_cn=1),
+                 SPLIT=False, HAS_BIAS=False, A_MMAJOR=True, B_KMAJOR=False, stride_cn=1,
+                 ACC_INIT=False),
             {"num_warps": 8, "num_stages": 4},
         ))  # fmt: skip
     wtypes = {
@@ -84,7 +85,7 @@ def _setups(mod):
         mod._det_gemm_wgrad_kernel,
         wtypes,
         dict(CHUNK=4096, BLOCK_O=128, BLOCK_N=128, BLOCK_T=64, UPCAST=False, IEEE=False,
-             INT64=False, stride_ak=1, stride_gn=1, stride_on=1),
+             INT64=False, stride_ak=1, stride_gn=1, stride_on=1, ACC_INIT=False),
         {"num_warps": 8, "num_stages": 4},
     ))  # fmt: skip
     out.append((
@@ -92,7 +93,7 @@ def _setups(mod):
         mod._det_gemm_wgrad_combine_kernel,
         {"ws_ptr": ("*fp32", True), "out_ptr": ("*fp32", True), "n_parts": ("i32", False),
          "numel": ("i32", True)},
-        dict(BLOCK=1024),
+        dict(BLOCK=1024, ACC_INIT=False),
         {"num_warps": 4},
     ))  # fmt: skip
     return out

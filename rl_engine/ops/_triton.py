@@ -8,6 +8,7 @@ Kernels live in each op's ``triton.py``; this module holds no kernel and no nume
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
@@ -166,11 +167,17 @@ class Launcher:
     without the internals used here take Triton's path on every call.
     """
 
-    __slots__ = ("fn", "_names", "_kernels")
+    __slots__ = ("fn", "_names", "_defaults", "_kernels")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self._names = tuple(fn.arg_names)
+        # parameters with a default value: a call may leave them out (Triton binds the default)
+        self._defaults = {
+            p.name: p.default
+            for p in getattr(fn, "params", ())
+            if getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty
+        }
         self._kernels: dict[tuple, tuple[Any, tuple[str, ...]] | None] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
@@ -188,8 +195,9 @@ class Launcher:
         if entry is None:
             kern = self.fn[grid](*args, **kwargs)  # Triton's path (compiles on first use)
             tail = self._names[len(args) :]
-            # Parameters left to their defaults are not cached (their values are not in the key).
-            entry = self._kernels[key] = (kern, tail) if all(n in kwargs for n in tail) else None
+            # A parameter left out must have a default (a constant: not needed in the key).
+            known = all(n in kwargs or n in self._defaults for n in tail)
+            entry = self._kernels[key] = (kern, tail) if known else None
             return entry[0] if entry is not None else None
         kern, tail = entry
         if _rl_config.settings().check_launch:
@@ -199,7 +207,7 @@ class Launcher:
                     f"{self.fn.__name__}: the launch cache picked another compiled kernel than "
                     "Triton's argument binding (the cache key misses a specialization)"
                 )
-        vals = args + tuple([kwargs[n] for n in tail])
+        vals = args + self.tail_values(tail, kwargs)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = _raw_stream(dev)
@@ -220,6 +228,10 @@ class Launcher:
     def tail_names(self, n_args: int) -> tuple[str, ...]:
         """The parameter names after the first ``n_args`` (passed by keyword)."""
         return self._names[n_args:]
+
+    def tail_values(self, names: tuple[str, ...], kwargs: dict[str, Any]) -> tuple:
+        """The values of parameters ``names``: from ``kwargs``, else their defaults."""
+        return tuple([kwargs[n] if n in kwargs else self._defaults[n] for n in names])
 
 
 class Prepared:
@@ -259,7 +271,7 @@ class Prepared:
                 )
             if used is not None and ck is None:
                 names = self.kern.tail_names(len(lead) + len(self.rest))
-                self._tail = self.rest + tuple(self.kwargs[n] for n in names)
+                self._tail = self.rest + self.kern.tail_values(names, self.kwargs)
                 self._ck = used
             return
         vals = lead + self._tail

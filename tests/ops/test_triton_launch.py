@@ -106,3 +106,33 @@ def test_gpu_check_mode_catches_a_coarse_key(check_mode, monkeypatch):
     lau[(4,)](base, out, 1024, 1, 1.0, BLOCK=256, num_warps=4)
     with pytest.raises(RuntimeError, match="launch cache"):
         lau[(4,)](base[1:], out, 1024, 1, 1.0, BLOCK=256, num_warps=4)
+
+
+@gpu
+def test_gpu_launch_leaving_a_defaulted_parameter_is_cached(check_mode):
+    """A call that leaves a parameter to its default is cached like any other (it went through
+    Triton's binding on every call before: tens of microseconds of host time per launch); the
+    check mode (on) asks Triton on every call and raises if the cache picked another kernel."""
+
+    @triton.jit
+    def _copy_maybe_twice(x_ptr, out_ptr, n, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n)
+        if TWICE:
+            v = v * 2.0
+        tl.store(out_ptr + offs, v, mask=offs < n)
+
+    lau = _tr.Launcher(_copy_maybe_twice)
+    x = torch.randn(1000, device="cuda")
+    for twice in (None, None, True, True):
+        out = torch.empty_like(x)
+        kw = {} if twice is None else {"TWICE": twice}
+        used = lau.launch((4,), (x, out, 1000), dict(BLOCK=256, num_warps=4, **kw))
+        assert used is not None, "the launch was not cached"
+        assert torch.equal(out, x * 2.0 if twice else x)
+    assert len(lau._kernels) == 2 and all(e is not None for e in lau._kernels.values())
+    step = _tr.Prepared(lau, (4,), (1000,), dict(BLOCK=256, num_warps=4))
+    out = torch.empty_like(x)
+    step(x, out)
+    step(x, out)  # the prepared path, with the default taken from the kernel
+    assert step._ck is not None and torch.equal(out, x)

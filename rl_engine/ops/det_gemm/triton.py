@@ -301,7 +301,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         A_MMAJOR: tl.constexpr,
         B_KMAJOR: tl.constexpr,
-        ACC_INIT: tl.constexpr = False,
+        ACC_INIT: tl.constexpr,
     ):
         # Persistent variant (Hopper): TMA tile loads, tiles visited in the grouped order. Each
         # tile is computed exactly as in _det_gemm_fwd_kernel (K chunks, each in order into a
@@ -422,7 +422,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         IEEE: tl.constexpr,
         INT64: tl.constexpr,
-        ACC_INIT: tl.constexpr = False,
+        ACC_INIT: tl.constexpr,
     ):
         # out[split, o, n] = sum over this program's token chunks (in order) of
         #   chunk partial = sum_t a[t, o] * g[t, n]   (fresh fp32 accumulator per chunk);
@@ -471,7 +471,7 @@ if triton is not None:
 
     @triton.jit
     def _det_gemm_wgrad_combine_kernel(
-        ws_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr, ACC_INIT: tl.constexpr = False
+        ws_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr, ACC_INIT: tl.constexpr
     ):
         # out = ((0 + ws[0]) + ws[1]) + ...: the same order as the in-program chunk loop
         # (ACC_INIT, fp32 out: from out instead of 0). out is contiguous.
@@ -641,7 +641,7 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
             B_KMAJOR=b_t,
             num_warps=num_warps,
             num_stages=num_stages,
-            **({"ACC_INIT": True} if acc_init else {}),
+            ACC_INIT=acc_init,
         ),
     )
     ws_shape = (n_chunks, m, n) if split else None
@@ -891,7 +891,6 @@ def det_gemm_wgrad_with_plan(
     else:
         dest = out.unsqueeze(0)
         chunks_per_prog, n_progs = n_chunks, 1
-    acc_init = {"ACC_INIT": True} if accumulate else {}
     common = dict(
         CHUNK=chunk,
         BLOCK_O=cfg.block_o,
@@ -920,13 +919,13 @@ def det_gemm_wgrad_with_plan(
             dest.stride(2),
             chunks_per_prog,
             **common,
-            **({} if split else acc_init),
+            ACC_INIT=accumulate and not split,
         )
         if split:
             numel = ko * n
             block = 1024
             _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(_tr.cdiv(numel, block),)](
-                dest, out, n_chunks, numel, BLOCK=block, **acc_init
+                dest, out, n_chunks, numel, BLOCK=block, ACC_INIT=accumulate
             )
     return out
 
