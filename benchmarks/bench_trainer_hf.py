@@ -30,6 +30,7 @@ sorted by CUDA time) and the GPU-busy time against the wall time (what host time
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -299,7 +300,7 @@ def main() -> None:
         payload["liger_kernel"] = version("liger-kernel")
     except Exception:  # noqa: BLE001 - version is informational
         pass
-    common.write_json(args.out, "trainer_hf", payload)
+    written = common.write_json(args.out, "trainer_hf", payload)
     common.print_table(
         [
             {
@@ -313,7 +314,7 @@ def main() -> None:
         ],
         ["path", "ms/step", "x fastest", "peak GiB", "bitwise alone/batch"],
     )
-    plot(args.out / "trainer_hf.png", payload)
+    plot(args.out / "trainer_hf.png", json.loads(written.read_text()))  # with the device
 
 
 def plot(path: Path, payload: dict) -> None:
