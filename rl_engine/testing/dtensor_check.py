@@ -151,6 +151,9 @@ def _worker(rank: int, world: int, store: str, backend: str, n_cases: int) -> No
         print(f"control: all-reduced per-rank weight gradients bitwise equal: {control_equal}")
     if control_equal:
         bad.append("control: the all-reduced weight gradient equals the fixed-order one")
+    # every rank done with its collectives before any tears the group down: gloo's teardown
+    # racing a peer still in a collective aborted rank 0 once in CI (SIGABRT after all checks)
+    dist.barrier()
     dist.destroy_process_group()
     if bad:
         raise AssertionError(f"rank {rank}: " + "; ".join(bad))
