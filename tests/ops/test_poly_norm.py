@@ -191,3 +191,38 @@ def test_triton_row_sum_program_is_the_reference_tree(m):
     g = torch.Generator().manual_seed(m)
     part = torch.randn(m, 4, generator=g) * torch.logspace(-4, 4, max(m, 1))[:m, None]
     assert_bitwise(pn_triton.sum_rows(part.to(dev)).cpu(), reference.sum_rows(part), f"M={m}")
+
+
+@pytest.mark.parametrize("h", [300, 1024, 1546])
+def test_triton_launch_setup_keeps_the_bits(h):
+    """``warps`` and ``unroll`` of the Triton kernels are speed only: every setup of the shipped
+    lane count gives the same bits (forward, fused, dx, dmul, dweight, dbias). H = 1546 has six
+    whole blocks (one unrolled step of four and two left) and a masked tail; 1024 has no tail;
+    300 one whole block and a tail. A setup that is not powers of two is refused."""
+    from rl_engine.ops.poly_norm import triton as pn_triton
+
+    dev = _triton_device()
+    dt = torch.float16 if dev == "cpu" else torch.bfloat16  # interpreter: fp16 (PLATFORMS.md)
+    g = torch.Generator().manual_seed(h)
+    x, mul, gy = ((1.5 * torch.randn(5, h, generator=g)).to(dt).to(dev) for _ in range(3))
+    w, b = torch.tensor([0.3, -0.7, 1.1], device=dev), torch.tensor([0.05], device=dev)
+
+    def run(cfg):
+        out = [pn_triton._launch_fwd(x, w, b, 1e-6, m, cfg) for m in (None, mul)]
+        for m in (None, mul):
+            out += [t for t in pn_triton._launch_bwd(gy, x, w, b, 1e-6, m, cfg) if t is not None]
+        return out
+
+    lanes = pn_triton.LANES
+    want = run(pn_triton.Config(lanes, 1, 1))
+    for cfg in (pn_triton.Config(lanes, 2, 4), pn_triton.Config(lanes, 4, 2),
+                pn_triton.Config(lanes, 1, 8),
+                pn_triton.fwd_config(h), pn_triton.bwd_config(h)):  # fmt: skip
+        for i, (a, c) in enumerate(zip(run(cfg), want, strict=True)):
+            assert_bitwise(a, c, f"H={h} {cfg}: result {i}")
+    with pytest.raises(ValueError, match="unroll must be a power of two"):
+        run(pn_triton.Config(lanes, 1, 3))
+    # the lane count is the numerics: four times the lanes changes bits here (up to H = 2 x
+    # lanes a tree's first level adds the same pairs as the lanes' column order)
+    other = run(pn_triton.Config(lanes * 4, 1, 1))
+    assert h <= 2 * lanes or not all(torch.equal(a, c) for a, c in zip(other, want))
