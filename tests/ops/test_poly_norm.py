@@ -226,3 +226,52 @@ def test_triton_launch_setup_keeps_the_bits(h):
     # lanes a tree's first level adds the same pairs as the lanes' column order)
     other = run(pn_triton.Config(lanes * 4, 1, 1))
     assert h <= 2 * lanes or not all(torch.equal(a, c) for a, c in zip(other, want))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("h", [77, 4160, 14336])
+def test_triton_cuda_bf16_contract(h):
+    """The Triton provider on the GPU in bf16 (the tests above run it in the interpreter):
+    forward and every gradient vs float64, forward and dx row invariant, fused == unfused
+    bitwise. H = 4160: 16 whole blocks and a masked tail; 14336: whole blocks only."""
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(h)
+    x, m, gy = ((1.5 * torch.randn(33, h, device=dev, generator=g)).to(dt) for _ in range(3))
+    w0 = torch.tensor([0.3, -0.7, 1.1], device=dev)
+    b0 = torch.tensor([0.05], device=dev)
+    w, b = (t.clone().requires_grad_(True) for t in (w0, b0))
+    xr, mr = (t.clone().requires_grad_(True) for t in (x, m))
+    y = fused_mul_poly_norm(xr, mr, w, b, backend="triton")
+    y.backward(gy)
+    x64, m64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, m, w0, b0))
+    y64 = _ref64(x64, w64, b64, mul=m64)
+    y64.backward(gy.double())
+    rtol, atol = tolerance(dt)
+    assert_close(y, y64, rtol=rtol, atol=atol * float(y64.abs().max()), what=f"y H={h}")
+    rg, ag = tolerance(dt, grad=True)
+    for got, want, name in ((xr.grad, x64.grad, "dx"), (mr.grad, m64.grad, "dmul")):
+        scale = max(1.0, float(want.abs().max()))
+        assert_close(got, want, rtol=rg, atol=ag * scale, what=f"{name} H={h}")
+    n_el = x.numel() ** 0.5
+    for got, want, name in ((w.grad, w64.grad, "dw"), (b.grad, b64.grad, "db")):
+        scale = max(1.0, float(want.abs().max()))
+        assert_close(got, want, rtol=rg, atol=ag * n_el * scale, what=f"{name} H={h}")
+    wd, bd = w0, b0
+    check_row_invariance(lambda r: poly_norm(r, wd, bd, backend="triton"), x, counts=(1, 11))
+
+    def dx(idx):
+        xi = x[idx.long()].clone().requires_grad_(True)
+        poly_norm(xi, wd, bd, backend="triton").backward(gy[idx.long()])
+        return xi.grad
+
+    check_row_invariance(dx, torch.arange(33.0, device=dev), counts=(1, 11), what="dx")
+    # fused == unfused, forward and backward
+    outs = []
+    for fused in (True, False):
+        xx, mm, ww, bb = (t.clone().requires_grad_(True) for t in (x, m, w0, b0))
+        yy = fused_mul_poly_norm(xx, mm, ww, bb, backend="triton") if fused else (
+            poly_norm(xx, ww, bb, backend="triton") * mm)  # fmt: skip
+        yy.backward(gy)
+        outs.append([yy.detach(), xx.grad, mm.grad, ww.grad, bb.grad])
+    for a, c, what in zip(*outs, ("y", "dx", "dmul", "dw", "db")):
+        assert_bitwise(a, c, f"H={h} fused vs poly_norm(x) * mul: {what}")
