@@ -61,8 +61,18 @@ class UnsupportedNumericsError(NotImplementedError):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``det_gemm`` over the last dim of ``x`` [..., K] with an ``nn.Linear``-layout weight [N, K]."""
+    """``det_gemm`` over the last dim of ``x`` [..., K] with an ``nn.Linear``-layout weight [N, K].
+
+    An ``[s, b, K]`` input that is a transposed view of a contiguous ``[b, s, K]`` tensor (the
+    core attention's output, :class:`RLCoreAttention`) is multiplied in its memory order, without
+    the copy ``reshape`` would make (the copy autograd would keep for the weight gradient, next to
+    the attention's own saved output: one [tokens, heads x head dim] tensor a layer). The result
+    is the matching ``[s, b, N]`` view. ``det_gemm`` is row invariant, so every output row has the
+    bits it has in ``[s, b]`` order; the weight gradient sums the rows in ``[b, s]`` order."""
     shape = x.shape
+    if x.dim() == 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+        y = ops.det_gemm(x.transpose(0, 1).reshape(-1, shape[-1]), weight.t(), bias)
+        return y.view(shape[1], shape[0], weight.shape[0]).transpose(0, 1)
     y = ops.det_gemm(x.reshape(-1, shape[-1]), weight.t(), bias)
     return y.view(*shape[:-1], weight.shape[0])
 
@@ -424,8 +434,8 @@ class RLCoreAttention(MegatronModule):
             k = self.rope.apply(k, positions)
         out = ops.attention(q, k, v, cu, scale=self.softmax_scale, causal=True)
         out = out.reshape(*out_shape)
-        if sbhd is not None:
-            out = out.transpose(0, 1).contiguous()
+        if sbhd is not None:  # [s, b, h] as a view: the output projection takes it uncopied
+            out = out.transpose(0, 1)
         return out
 
 
@@ -463,6 +473,8 @@ def rl_bias_dropout_add(training: bool, fused: bool):
         _refuse(bias is not None, "a bias in the bias-dropout-add (skip_bias_add linear bias)")
         _refuse(training and prob > 0, f"hidden dropout (p={prob})")
         _refuse(residual.dtype != x.dtype, "fp32 residual connection")
-        return x + residual
+        # residual first: the sum takes its (contiguous [s, b, h]) layout when x is a transposed
+        # view (the attention projection's output, see _linear); the same bits as x + residual
+        return residual + x
 
     return _bda
