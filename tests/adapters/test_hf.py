@@ -180,6 +180,37 @@ def test_backward_deterministic(models):
         model.eval()
 
 
+def test_padded_batch_keeps_the_attention_output_once(tmp_path):
+    """A right-padded batch: the attention runs on the real tokens, and the output projection
+    takes that output itself, not its zero-padded [b, s] scatter, so autograd keeps one
+    attention output a layer (the scatter was a second, [b * s, heads x head dim]). Real
+    tokens' log-probs are those of the packed layout (the layout test above)."""
+    # heads x head dim (64) unlike the hidden size (128), so the shapes tell them apart
+    model = tc.load_hf(make_tiny_model(tmp_path / "m", "llama", "float32", head_dim=16), "float32")
+    q_width = model.config.num_attention_heads * 16
+    assert q_width != model.config.hidden_size
+    ids, mask = tc.right_padded(tc.sequences()[1:4])
+    b, s = ids.shape
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and t.is_floating_point():
+            shapes.append(tuple(t.shape))
+        return t
+
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
+    finally:
+        model.eval()
+    padded = [sh for sh in shapes if sh in ((b, s, q_width), (b * s, q_width))]
+    n_real = int(mask.sum())
+    assert n_real < b * s and (n_real, q_width) in shapes, "no projection input of real rows"
+    assert not padded, f"a padded attention output is kept for the backward: {padded}"
+
+
 def test_fused_projections_equal_separate_layers(ckpts, monkeypatch):
     """q/k/v and gate/up as one GEMM each (the default) give the log-probs of separate layers
     bitwise, and the gradients that do not pass through a fused input gradient (last layer's

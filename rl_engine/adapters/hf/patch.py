@@ -307,15 +307,34 @@ class _AttentionForward(_PatchedForward):
         else:
             total = s
         if total == s:
-            out = _prefill(q, k, v, b, s, attention_mask, position_ids, kwargs, scale)
+            out, sel = _prefill(q, k, v, b, s, attention_mask, position_ids, kwargs, scale)
+            if sel is not None:
+                return _project_real_rows(mod.o_proj, out, sel, b, s), None
         else:
             out = _decode(q, k4, v4, b, s, attention_mask, scale)
         out = out.reshape(b, s, hq * d)
         return mod.o_proj(out), None
 
 
+def _project_real_rows(o_proj, o, sel, b, s):
+    """``o_proj`` of the attention output ``o`` of the real tokens (rows ``sel`` of the padded
+    ``[b, s]`` batch), scattered into ``[b, s, hidden]`` with zero rows for the padding.
+
+    The projection's input is then the attention's own output, which autograd keeps once for
+    both; projecting the padded ``[b * s]`` scatter of it kept a second copy, one ``[b * s,
+    heads x head dim]`` tensor a layer. The same bits: ``det_gemm`` is row invariant, and a zero
+    row projects to zeros without a bias (with one, the padded rows get the bias, as before)."""
+    if getattr(o_proj, "bias", None) is not None:
+        full = o.new_zeros(b * s, *o.shape[1:]).index_copy(0, sel, o)
+        return o_proj(full.view(b, s, -1))
+    y = o_proj(o.reshape(o.shape[0], -1))
+    return y.new_zeros(b * s, y.shape[-1]).index_copy(0, sel, y).view(b, s, -1)
+
+
 def _prefill(q, k, v, b, s, mask, position_ids, kwargs, scale):
-    """Varlen causal attention over the (unpadded) sequences of a [b, s] batch."""
+    """Varlen causal attention over the (unpadded) sequences of a [b, s] batch: ``(out,
+    None)`` with ``out`` [b * s, hq, d], or for a padding mask ``(o, sel)``, the attention of the
+    real tokens (rows ``sel`` of the batch) only (:func:`_project_real_rows`)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         if b != 1:
@@ -323,19 +342,17 @@ def _prefill(q, k, v, b, s, mask, position_ids, kwargs, scale):
         cuk = kwargs.get("cu_seq_lens_k")
         if cuk is not None and not torch.equal(cuk, cu):
             raise UnsupportedModelError("cu_seq_lens_k different from cu_seq_lens_q")
-        return ops.attention(q, k, v, cu.to(torch.int32), scale=scale, causal=True)
+        return ops.attention(q, k, v, cu.to(torch.int32), scale=scale, causal=True), None
     if mask is None:
         packed = _packed_cu_from_positions(position_ids) if b == 1 else None
         if packed is not None:
-            return ops.attention(q, k, v, packed, scale=scale, causal=True)
+            return ops.attention(q, k, v, packed, scale=scale, causal=True), None
         cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
-        return ops.attention(q, k, v, cu, scale=scale, causal=True)
+        return ops.attention(q, k, v, cu, scale=scale, causal=True), None
     keep = mask.to(torch.bool)[:, -s:].reshape(-1)
     cu = _cu_from_lens(mask.to(torch.bool)[:, -s:].sum(1))
     sel = keep.nonzero().flatten()
-    o = ops.attention(q[sel], k[sel], v[sel], cu, scale=scale, causal=True)
-    out = q.new_zeros(q.shape)
-    return out.index_copy(0, sel, o)
+    return ops.attention(q[sel], k[sel], v[sel], cu, scale=scale, causal=True), sel
 
 
 def _decode(q, k4, v4, b, s, mask, scale):
