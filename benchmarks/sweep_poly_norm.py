@@ -6,7 +6,7 @@ Usage: ``python3 benchmarks/sweep_poly_norm.py --out DIR [--old PATH] [--quick]`
 bf16; rows M in (4096, 16384) x H in the shared hidden and intermediate sizes (the rows
 ``bench_poly_norm.py`` summarises), ``poly_norm`` and ``fused_mul_poly_norm``, forward and
 backward. Each candidate :class:`Config` (``lanes``, ``warps``, ``unroll``; the shipped ones of
-:func:`fwd_config` / :func:`bwd_config` first) is checked before it is timed, on 37 rows of H = 4160
+:func:`launch_config` first) is checked before it is timed, on 37 rows of H = 4160
 (16 blocks of 256 and a masked tail) and 14336 (whole blocks):
 
 * row invariance: rows 5..8 run alone give the bits they have inside the 37 (forward, fused
@@ -22,7 +22,7 @@ unless the forward's numerics changed).
 ``bw_frac`` = minimum bytes / time / measured copy bandwidth (``bench_poly_norm.py``'s
 definition; ``limits.json`` in DIR, measured when missing). Prints a table and writes
 ``DIR/poly_norm_sweep.json``. Without CUDA it prints why and exits 0. To ship a setup, change
-:func:`fwd_config` / :func:`bwd_config` (and :data:`LANES`, a numerics change: a new version).
+:func:`launch_config` (and :data:`LANES`, a numerics change: a new version).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ Cfg = pn.Config
 
 
 def candidates() -> list[Cfg | None]:
-    """``None`` = the shipped setups (fwd_config / bwd_config per H), then alternatives."""
+    """``None`` = the shipped setups (launch_config per H), then alternatives."""
     out: list[Cfg | None] = [None]
     grid = [(256, 1, 2), (256, 1, 4), (256, 1, 8), (256, 2, 4), (512, 1, 4), (512, 2, 4),
             (1024, 2, 1), (1024, 4, 2), (128, 1, 8)]  # fmt: skip
@@ -87,7 +87,7 @@ def _runner(cfg: Cfg | None, old: Any):
 def _lanes(cfg: Cfg | None, h: int, old: Any) -> int:
     if old is not None:
         return old.block_for(h)
-    return pn.block_for(h, (cfg or pn.fwd_config(h)).lanes)
+    return pn.block_for(h, (cfg or pn.launch_config(h)).lanes)
 
 
 def _inputs(m: int, h: int, seed: int) -> dict[str, torch.Tensor]:

@@ -88,8 +88,8 @@ def main() -> int:
         setups = [tuple(int(v) for v in s.split(":")) for s in args.setups.split(",")]
     else:
         shipped = (
-            {tuple(mod.fwd_config(h)) for h in (2048, 5120)}
-            if hasattr(mod, "fwd_config")
+            {tuple(mod.launch_config(h)) for h in (2048, 5120)}
+            if hasattr(mod, "launch_config")
             else set()
         )
         setups = sorted(

@@ -217,7 +217,7 @@ def test_triton_launch_setup_keeps_the_bits(h):
     want = run(pn_triton.Config(lanes, 1, 1))
     for cfg in (pn_triton.Config(lanes, 2, 4), pn_triton.Config(lanes, 4, 2),
                 pn_triton.Config(lanes, 1, 8),
-                pn_triton.fwd_config(h), pn_triton.bwd_config(h)):  # fmt: skip
+                pn_triton.launch_config(h)):  # fmt: skip
         for i, (a, c) in enumerate(zip(run(cfg), want, strict=True)):
             assert_bitwise(a, c, f"H={h} {cfg}: result {i}")
     with pytest.raises(ValueError, match="unroll must be a power of two"):

@@ -110,16 +110,11 @@ def _unroll(h: int, lanes: int) -> int:
     return min(8, n & -n) if n else 1
 
 
-def fwd_config(h: int) -> Config:
-    """The forward's launch setup for rows of ``h`` columns: one warp per row program (its
-    three lane vectors of 256 take 24 registers a thread; with up to 8 blocks a step in
-    flight, 58-69 registers, so 32 programs fit an SM), ``unroll`` as :func:`_unroll`."""
-    return Config(LANES, 1, _unroll(h, LANES))
-
-
-def bwd_config(h: int) -> Config:
-    """The backward's launch setup: as :func:`fwd_config` (seven lane vectors, 92-116
-    registers with 8 blocks a step)."""
+def launch_config(h: int) -> Config:
+    """The launch setup of the forward and the backward for rows of ``h`` columns: one warp per
+    row program, ``unroll`` as :func:`_unroll`. The forward's three lane vectors of 256 take 24
+    registers a thread (58-69 with up to 8 blocks a step in flight: 32 programs an SM), the
+    backward's seven 92-116 (17-22 programs)."""
     return Config(LANES, 1, _unroll(h, LANES))
 
 
@@ -411,7 +406,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch_fwd(x, weight, bias, eps, mul, cfg: Config | None = None):
     _tr.check_device("poly_norm", x)
     h = x.shape[-1]
-    cfg = _checked(cfg or fwd_config(h))
+    cfg = launch_config(h) if cfg is None else _checked(cfg)
     x2 = _rows(x)
     m2 = _rows(mul) if mul is not None else x2
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -464,7 +459,7 @@ def sum_rows(part: torch.Tensor) -> torch.Tensor:
 def _launch_bwd(grad, x, weight, bias, eps, mul, cfg: Config | None = None):
     _tr.check_device("poly_norm", x)
     h = x.shape[-1]
-    cfg = _checked(cfg or bwd_config(h))
+    cfg = launch_config(h) if cfg is None else _checked(cfg)
     x2, g2 = _rows(x), _rows(grad.to(x.dtype))
     m2 = _rows(mul) if mul is not None else x2
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
