@@ -12,7 +12,30 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+
+# Mixture-of-experts defaults (tiny: 8 experts, top-2); overrides take the families' own names.
+_MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+    "qwen2_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
 
 _BASE: dict[str, Any] = {
     "vocab_size": 512,
@@ -35,6 +58,7 @@ def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[st
     import transformers
 
     kw = dict(_BASE)
+    kw.update(_MOE.get(arch, {}))
     kw.update(overrides)
     theta = kw.pop("rope_theta")
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
@@ -52,6 +76,18 @@ def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[st
         cfg = transformers.Qwen3Config(**kw)
         cfg.architectures = ["Qwen3ForCausalLM"]
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**kw)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**kw)
+        cfg.architectures = ["MixtralForCausalLM"]
+        cls = transformers.MixtralForCausalLM
+    elif arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**kw)
+        cfg.architectures = ["Qwen2MoeForCausalLM"]
+        cls = transformers.Qwen2MoeForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}; supported: {ARCHS}")
     return cfg, cls
@@ -69,7 +105,9 @@ def make_tiny_model(
 
     Args:
         path: folder to create (its parent must exist; an existing folder is overwritten).
-        arch: ``llama``, ``qwen2`` (QKV bias) or ``qwen3`` (q/k norm).
+        arch: ``llama``, ``qwen2`` (QKV bias), ``qwen3`` (q/k norm), or a mixture of experts:
+            ``qwen3_moe`` (softmax top-k, renormalised), ``mixtral`` (top-k softmax) and
+            ``qwen2_moe`` (a sigmoid-gated shared expert); 8 experts, top-2 by default.
         dtype: ``float32`` or ``bfloat16`` (the stored weights and the config's dtype).
         tie_word_embeddings: share the embedding and LM-head weights.
         seed: weights are a function of the seed only.
