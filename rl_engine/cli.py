@@ -16,13 +16,13 @@ def _check(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"rl_engine check on {device} (torch {torch.__version__})")
-    print(f"{'op':<14} {'provider':<10} {'numerics':<36} self-test")
+    print(f"{'op':<18} {'provider':<10} {'numerics':<36} self-test")
     failures = 0
     for op_type in KernelRegistry.known_ops():
         try:
             op = KernelRegistry.get_op(op_type, device=device)
         except Exception as exc:
-            print(f"{op_type:<14} {'-':<10} {'-':<30} UNAVAILABLE: {exc}")
+            print(f"{op_type:<18} {'-':<10} {'-':<30} UNAVAILABLE: {exc}")
             failures += 1
             continue
         module = importlib.import_module(_OP_MODULES[op_type])
@@ -38,7 +38,7 @@ def _check(args: argparse.Namespace) -> int:
             except Exception as exc:
                 status = f"FAIL: {type(exc).__name__}: {exc}"
                 failures += 1
-        print(f"{op_type:<14} {op.provider.name:<10} {op.numerics:<36} {status}")
+        print(f"{op_type:<18} {op.provider.name:<10} {op.numerics:<36} {status}")
     print("all invariance self-tests passed" if not failures else f"{failures} op(s) failed")
     return 1 if failures else 0
 

@@ -74,6 +74,10 @@ _OP_MODULES: dict[str, str] = {
     "ratio_kl": "rl_engine.ops.ratio_kl",
     "grpo_loss": "rl_engine.ops.grpo_loss",
     "attention": "rl_engine.ops.attention",
+    "moe_router": "rl_engine.ops.moe_router",
+    "moe_experts": "rl_engine.ops.moe_experts",
+    "moe_combine": "rl_engine.ops.moe_combine",
+    "grouped_poly_norm": "rl_engine.ops.grouped_poly_norm",
 }
 
 AvailabilityCheck = Callable[..., "str | None"]

@@ -10,9 +10,13 @@ from __future__ import annotations
 from rl_engine.ops.attention import attention, paged_attention, write_kv_cache
 from rl_engine.ops.det_gemm import det_gemm, det_gemm_cat
 from rl_engine.ops.entropy import entropy
+from rl_engine.ops.grouped_poly_norm import grouped_poly_norm
 from rl_engine.ops.grpo_loss import grpo_loss
 from rl_engine.ops.linear_logp import linear_logp
 from rl_engine.ops.logp import logp
+from rl_engine.ops.moe_combine import moe_combine
+from rl_engine.ops.moe_experts import moe_experts
+from rl_engine.ops.moe_router import moe_router, moe_topk
 from rl_engine.ops.poly_norm import fused_mul_poly_norm, poly_norm
 from rl_engine.ops.ratio_kl import ratio_kl
 from rl_engine.ops.rms_norm import rms_norm
@@ -25,9 +29,14 @@ __all__ = [
     "det_gemm_cat",
     "entropy",
     "fused_mul_poly_norm",
+    "grouped_poly_norm",
     "grpo_loss",
     "linear_logp",
     "logp",
+    "moe_combine",
+    "moe_experts",
+    "moe_router",
+    "moe_topk",
     "paged_attention",
     "poly_norm",
     "ratio_kl",

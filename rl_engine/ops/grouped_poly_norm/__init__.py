@@ -1,0 +1,117 @@
+"""``grouped_poly_norm``: PolyNorm-activated experts, ``poly_norm(gate) * up`` per expert.
+
+Custom ops: ``rl_engine::grouped_poly_norm(gate, up, weight, bias, expert_ids, eps, provider)``
+and ``rl_engine::grouped_poly_norm_backward(grad, gate, up, weight, bias, expert_ids, eps,
+provider) -> (dgate, dup, dweight, dbias)``. Each row is bitwise ``fused_mul_poly_norm`` with its
+expert's weights (:mod:`rl_engine.ops.grouped_poly_norm.reference`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops.grouped_poly_norm import reference
+from rl_engine.registry import resolve_provider
+
+__all__ = ["grouped_poly_norm"]
+
+_OP = "grouped_poly_norm"
+
+
+def _fake(gate, up, weight, bias, expert_ids, eps):
+    reference._check(gate, up, weight, bias, expert_ids, eps, values=False)
+    return torch.empty_like(gate)
+
+
+_op = provider_op(_OP, _OP, reference.grouped_poly_norm, _fake)
+
+
+def _backward_fake(grad, gate, up, weight, bias, expert_ids, eps):
+    return (torch.empty_like(gate), torch.empty_like(up),
+            torch.empty_like(weight, dtype=torch.float32),
+            torch.empty_like(bias, dtype=torch.float32))  # fmt: skip
+
+
+_backward_op = provider_op(
+    _OP, f"{_OP}_backward", reference.grouped_poly_norm_backward, _backward_fake, "backward"
+)
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, weight, bias, expert_ids, eps, provider = inputs
+    ctx.save_for_backward(gate, up, weight, bias, expert_ids)
+    ctx.eps, ctx.provider = eps, provider
+
+
+def _backward(ctx, grad):
+    gate, up, weight, bias, expert_ids = ctx.saved_tensors
+    dg, du, dw, db = _backward_op(grad, gate, up, weight, bias, expert_ids, ctx.eps, ctx.provider)
+    return dg, du, dw.to(weight.dtype), db.to(bias.dtype), None, None, None
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run(gate: Any, up: Any, weight: Any, bias: Any, expert_ids: Any, eps: Any,
+         provider: str) -> torch.Tensor:  # fmt: skip
+    reference._check(gate, up, weight, bias, expert_ids, eps,
+                     values=not torch.compiler.is_compiling())  # fmt: skip
+    return _op(gate, up, weight, bias, expert_ids, float(eps), provider)
+
+
+def grouped_poly_norm(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    expert_ids: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``poly_norm(gate[n]) * up[n]`` with the weights of row ``n``'s expert.
+
+    Args:
+        gate, up: [N, D] rows; weight: [E, 3]; bias: [E, 1]; expert_ids: [N] int.
+        eps: added to each mean square.
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        [N, D] in ``gate.dtype``; differentiable wrt gate, up, weight, bias (the parameter
+        gradients per expert, deterministic).
+    """
+    check_tensor("gate", gate)
+    provider = resolve_provider(_OP, gate.device.type, backend)
+    return _run(gate, up, weight, bias, expert_ids, eps, provider)
+
+
+register_op(
+    _OP,
+    entry=registry_entry(grouped_poly_norm, _run),
+    native=(
+        "grouped_poly_norm/native",
+        reference.grouped_poly_norm,
+        {"backward": reference.grouped_poly_norm_backward},
+    ),
+)
+
+
+def self_test(device: str) -> None:
+    """Each row == fused_mul_poly_norm with its expert's weights, bitwise (``rl-engine check``)."""
+    from rl_engine.ops.poly_norm import fused_mul_poly_norm
+    from rl_engine.testing.invariance import assert_bitwise
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    gate = torch.randn(11, 40, generator=g).to(device=device, dtype=torch.bfloat16)
+    up = torch.randn(11, 40, generator=g).to(device=device, dtype=torch.bfloat16)
+    w = torch.rand(3, 3, generator=g).to(device)
+    b = torch.rand(3, 1, generator=g).to(device)
+    ids = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0, 1, 2, 0], device=device)
+    out = grouped_poly_norm(gate, up, w, b, ids)
+    prov = resolve_provider(_OP, device, None)
+    backend = "native" if prov == "native" else prov  # the same family's poly_norm
+    alone = fused_mul_poly_norm(gate[3:4], up[3:4], w[2], b[2], backend=backend)
+    assert_bitwise(out[3:4], alone, "grouped_poly_norm row vs fused_mul_poly_norm")

@@ -1,0 +1,137 @@
+"""``moe_experts``: SwiGLU experts whose output rows are batch invariant, per top-k slot.
+
+Custom ops: ``rl_engine::moe_experts(x, ids, w13, w2, expert_map, provider) -> y [T, k, H]``
+and ``rl_engine::moe_experts_backward(grad, x, ids, w13, w2, expert_map, provider) -> (dx,
+dw13, dw2)``. Every output row is bitwise the ``det_gemm`` / ``silu_and_mul`` expert MLP of that
+row alone (the launch never depends on how many tokens an expert receives); see
+:mod:`rl_engine.ops.moe_experts.reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops.moe_experts import reference
+from rl_engine.registry import RLEngineError, resolve_provider
+
+__all__ = ["TokenDroppingError", "UnsupportedMoEError", "moe_experts"]
+
+_OP = "moe_experts"
+
+
+class UnsupportedMoEError(RLEngineError, ValueError):
+    """An MoE configuration rl_engine cannot compute invariantly (the message says why)."""
+
+
+class TokenDroppingError(UnsupportedMoEError):
+    """Capacity factors / token dropping: whether a token is dropped depends on the whole
+    batch (how many other tokens chose its expert first), so no per-token invariance exists."""
+
+
+def refuse_token_dropping(where: str, capacity_factor: Any) -> None:
+    """Raise :class:`TokenDroppingError` when ``capacity_factor`` is set (``where`` names the
+    setting, e.g. ``"moe_expert_capacity_factor"``)."""
+    if capacity_factor is not None:
+        raise TokenDroppingError(
+            f"{where}={capacity_factor!r}: capacity-based token dropping depends on the whole "
+            "batch (which other tokens chose the expert first), so a token's output could not "
+            "be batch invariant; rl_engine routes every token (set it to None)"
+        )
+
+
+def _fake(x, ids, w13, w2, expert_map):
+    reference._check(x, ids, w13, w2, expert_map, values=False)
+    return x.new_empty((ids.shape[0], ids.shape[1], x.shape[1]))
+
+
+_experts_op = provider_op(_OP, "moe_experts", reference.moe_experts, _fake)
+
+
+def _backward_fake(grad, x, ids, w13, w2, expert_map):
+    return torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2)
+
+
+_experts_backward_op = provider_op(
+    _OP, "moe_experts_backward", reference.moe_experts_backward, _backward_fake, "backward"
+)
+
+
+def _setup_context(ctx, inputs, output):
+    x, ids, w13, w2, expert_map, provider = inputs
+    ctx.save_for_backward(x, ids, w13, w2, expert_map)
+    ctx.provider = provider
+
+
+def _backward(ctx, grad):
+    x, ids, w13, w2, expert_map = ctx.saved_tensors
+    dx, dw13, dw2 = _experts_backward_op(grad, x, ids, w13, w2, expert_map, ctx.provider)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, None, dw13 if need[2] else None,
+            dw2 if need[3] else None, None, None)  # fmt: skip
+
+
+_experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run(x: Any, ids: Any, w13: Any, w2: Any, expert_map: Any, provider: str) -> torch.Tensor:
+    reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
+    return _experts_op(x, ids, w13, w2, expert_map, provider)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Batch-invariant SwiGLU experts: ``y[t, s]`` = expert ``ids[t, s]``'s MLP of ``x[t]``.
+
+    Args:
+        x: [T, H] token rows (float32 / bfloat16 / float16).
+        ids: [T, k] global expert ids.
+        w13: [E_local, 2 * I, H] gate rows then up rows; w2: [E_local, H, I].
+        expert_map: [E_global] global id -> local index or -1 (expert parallelism).
+        backend: pin a provider for this call (raises when it cannot run).
+
+    Returns:
+        [T, k, H] in ``x.dtype``; differentiable wrt ``x``, ``w13`` and ``w2``. Combine with
+        :func:`rl_engine.ops.moe_combine`.
+    """
+    check_tensor("x", x)
+    provider = resolve_provider(_OP, x.device.type, backend)
+    return _run(x, ids, w13, w2, expert_map, provider)
+
+
+register_op(
+    _OP,
+    entry=registry_entry(moe_experts, _run),
+    native=(
+        "moe_experts/native",
+        reference.moe_experts,
+        {"backward": reference.moe_experts_backward},
+    ),
+)
+
+
+def self_test(device: str) -> None:
+    """Every output row == its expert MLP alone, bitwise (``rl-engine check``)."""
+    from rl_engine.ops.det_gemm import det_gemm
+    from rl_engine.ops.silu_and_mul import silu_and_mul
+    from rl_engine.testing.invariance import assert_bitwise
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
+    w13 = (0.2 * torch.randn(4, 48, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
+    w2 = (0.2 * torch.randn(4, 32, 24, generator=g)).to(device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
+    y = moe_experts(x, ids, w13, w2)
+    t, s = 5, 1
+    e = int(ids[t, s])
+    alone = det_gemm(silu_and_mul(det_gemm(x[t : t + 1], w13[e].t())), w2[e].t())
+    assert_bitwise(y[t, s : s + 1], alone, "moe_experts row vs its expert alone")
