@@ -308,3 +308,67 @@ def test_unsupported_moe_configs(ckpts, tmp_path, monkeypatch):
                 transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
             )
         )
+
+
+# the routing rule each family must get (moe_topk keyword arguments), written out here
+RULE = {
+    "qwen3_moe": lambda cfg: {"scoring": "softmax", "renormalize": cfg.norm_topk_prob},
+    "mixtral": lambda cfg: {"scoring": "topk_softmax", "renormalize": False},
+    "qwen2_moe": lambda cfg: {"scoring": "softmax", "renormalize": cfg.norm_topk_prob},
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_block_is_the_ops_composition(models, arch):
+    """The patched sparse block is bitwise ``moe_router`` (the family's rule) ->
+    ``moe_experts`` on the experts' own parameters -> ``moe_combine`` (Qwen2-MoE: the shared
+    expert and ``shared_expert_gate`` logits joining inside it); the stock block is not."""
+    model = models[(arch, "bfloat16", False)]
+    block = model.model.layers[1].mlp
+    cfg = model.config
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 11, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    x2 = x[0]
+    with torch.no_grad():
+        w, ids, _ = ops.moe_router(
+            x2, block.gate.weight, cfg.num_experts_per_tok, **RULE[arch](cfg)
+        )
+        y = ops.moe_experts(x2, ids, block.experts.gate_up_proj, block.experts.down_proj)
+        shared = gate = None
+        if arch == "qwen2_moe":
+            gu = ops.det_gemm_cat(
+                x2, [block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight]
+            )
+            shared = ops.det_gemm(ops.silu_and_mul(gu), block.shared_expert.down_proj.weight.t())
+            gate = ops.det_gemm(x2, block.shared_expert_gate.weight.t())
+        want = ops.moe_combine(y, w, shared=shared, shared_gate=gate)
+        assert_bitwise(block(x)[0], want, f"{arch} block vs ops")
+        stock = [block, block.gate, block.experts]
+        stock += [m for m in block.modules() if m not in stock]
+        saved = {m: m.__dict__.pop("forward") for m in stock if "forward" in m.__dict__}
+        try:
+            assert not torch.equal(block(x)[0], want), "stock block == rl_engine (control)"
+        finally:
+            for m, f in saved.items():
+                m.forward = f
+
+
+def test_transposed_expert_layout(ckpts):
+    """An experts class that stores ``[E, H, 2I]`` / ``[E, I, H]`` (``is_transposed``) gets
+    transposed views: the same log-probs bitwise, and the gradients land in its parameters."""
+    path = ckpts[("mixtral", "float32", False)]
+    ids, mask = tc.right_padded(SEQS)
+    ref = _lp(tc.load_hf(path, "float32"), ids, mask)
+    model = tc.load_hf(path, "float32", patch=False)
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.detach().transpose(1, 2).contiguous())
+        ex.down_proj = torch.nn.Parameter(ex.down_proj.detach().transpose(1, 2).contiguous())
+        ex.is_transposed = True
+    ha.patch_model(model)
+    assert_bitwise(_lp(model, ids, mask), ref, "transposed layout")
+    ha.token_logprobs(model, ids, 1.0, attention_mask=mask).sum().backward()
+    ex = model.model.layers[0].mlp.experts
+    assert (
+        ex.gate_up_proj.grad.shape == ex.gate_up_proj.shape and ex.gate_up_proj.grad.abs().sum() > 0
+    )
