@@ -58,8 +58,9 @@ def moe_spec(cfg: Any) -> MoESpec | None:
         jitter = _get(cfg, "router_jitter_noise", 0.0) or 0.0
         if jitter:
             raise ValueError(
-                f"router_jitter_noise={jitter}: random noise on the router logits makes a "
-                "token's experts random (set it to 0)"
+                f"router_jitter_noise={jitter}: random multiplicative noise on the hidden states "
+                "before the router (in training mode) makes a token's experts random (set it "
+                "to 0)"
             )
     else:
         n_experts = int(_get(cfg, "num_experts"))
