@@ -493,6 +493,10 @@ def from_pretrained(
     cfg = _read_config(path)
     dtype = _config_dtype(cfg, dtype)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    if cfg.get("model_type") not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"from_pretrained: model_type {cfg.get('model_type')!r}; supported {SUPPORTED}"
+        )
     sparse = moe_layers(cfg)
     if ep > 1 and not any(sparse):
         raise UnsupportedNumericsError(
@@ -554,11 +558,31 @@ def from_pretrained(
     return model
 
 
+def _stock_moe_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``RLMoELayer``'s stacked experts as megatron's ``SequentialMLP`` tensors
+    (``experts.local_experts.{e}.linear_fc1.weight`` ...); other names are the same."""
+    out = {}
+    for name, t in state.items():
+        for fc in ("linear_fc1", "linear_fc2"):
+            suffix = f".mlp.experts.{fc}.weight"
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                for e in range(t.shape[0]):
+                    out[f"{base}.mlp.experts.local_experts.{e}.{fc}.weight"] = t[e]
+                break
+        else:
+            out[name] = t
+    return out
+
+
 def stock_from_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None
 ) -> Any:
     """The *stock* megatron-core ``GPTModel`` (local spec, Megatron's own RoPE, no rl_engine ops)
     with the weights of a Hugging Face checkpoint: the "before" picture of tests and audits.
+    MoE checkpoints get megatron's ``MoELayer`` (``TopKRouter``, allgather dispatcher,
+    ``SequentialMLP``; no auxiliary loss; its nearest router: top-k then softmax, or softmax
+    then top-k when the family does not renormalise).
 
     Megatron's model-parallel state must be initialised. Returns the model in eval mode; call it
     as ``model(input_ids, None, None)`` for logits [B, S, V] in the model dtype.
@@ -572,16 +596,27 @@ def stock_from_pretrained(
     mcfg = hf_config_to_megatron(cfg, dtype)
     rope = rope_from_hf_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    sparse = moe_layers(cfg)
+    if any(sparse) and not all(sparse):
+        raise UnsupportedNumericsError(
+            "stock_from_pretrained: a mix of dense and MoE layers (the stock local spec has one "
+            "MLP kind for every layer)"
+        )
     model = GPTModel(
         mcfg,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.qk_layernorm),
+        get_gpt_layer_local_spec(
+            num_experts=mcfg.num_moe_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=mcfg.qk_layernorm,
+        ),
         vocab_size=cfg["vocab_size"],
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=int(rope.theta),
     ).to(dtype)
-    state = hf_to_megatron_state(dict(_tensors(path)), cfg, tied)
+    state = _stock_moe_names(hf_to_megatron_state(dict(_tensors(path)), cfg, tied))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or not all(k.endswith("_extra_state") for k in missing):
         raise RuntimeError(f"stock_from_pretrained: missing {missing}, unexpected {unexpected}")

@@ -72,12 +72,12 @@ def moe_scoring_from_config(config: Any) -> tuple[str, bool]:
 
 def _check_config(config: Any) -> None:
     _refuse(not getattr(config, "num_moe_experts", None), "a config without num_moe_experts")
-    refuse_token_dropping("moe_expert_capacity_factor", config.moe_expert_capacity_factor)
     if config.moe_pad_expert_input_to_capacity or getattr(config, "moe_token_dropping", False):
         raise TokenDroppingError(
             "moe_pad_expert_input_to_capacity / moe_token_dropping: padding experts to a "
             "capacity and dropping tokens depend on the whole batch; rl_engine routes every token"
         )
+    refuse_token_dropping("moe_expert_capacity_factor", config.moe_expert_capacity_factor)
     _refuse(config.moe_router_score_function != "softmax",
             f"moe_router_score_function={config.moe_router_score_function!r}")  # fmt: skip
     _refuse(bool(config.moe_router_enable_expert_bias), "moe_router_enable_expert_bias")
