@@ -324,3 +324,17 @@ def test_state_round_trip_and_fused_layout(ckpts, case):
     again = hf_to_megatron_state(fused, cfg, tied=False)
     assert again.keys() == state.keys()
     assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_replace_modules_refuses_stock_moe_and_keeps_rl_moe(models, ckpts):
+    """replace_modules does not half-convert megatron's MoELayer (refused, with the way out);
+    on a from_pretrained MoE model it is a no-op for the MoE layers."""
+    from rl_engine.adapters import megatron as ma
+
+    stock = ma.stock_from_pretrained(ckpts[("qwen2_moe", "float32")])
+    with pytest.raises(ma.UnsupportedNumericsError, match="MoELayer.*RLMoELayer"):
+        ma.replace_modules(stock)
+    report = ma.replace_modules(stock, strict=False)
+    assert not any(".mlp." in n for n in report.replaced), report.replaced
+    report = ma.replace_modules(models[CASES[0]])
+    assert "decoder.layers.0.mlp" in report.already and not report.not_replaced
