@@ -35,40 +35,35 @@ SUPPORTED = ("llama", "qwen2", "qwen3", *MOE)
 
 
 def moe_layers(cfg: dict[str, Any]) -> list[bool]:
-    """Per decoder layer: whether it is a mixture-of-experts layer (Hugging Face's rule: every
-    Mixtral layer; Qwen2/3-MoE layer ``i`` unless in ``mlp_only_layers`` or
+    """Per decoder layer: whether it is a mixture-of-experts layer (``adapters._moe.moe_spec``:
+    every Mixtral layer; Qwen2/3-MoE layer ``i`` unless in ``mlp_only_layers`` or
     ``(i + 1) % decoder_sparse_step != 0``)."""
-    arch = cfg.get("model_type")
-    n = cfg["num_hidden_layers"]
-    if arch == "mixtral":
-        return [True] * n
-    if arch not in ("qwen3_moe", "qwen2_moe"):
-        return [False] * n
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return [i not in dense and _num_experts(cfg) > 0 and (i + 1) % step == 0 for i in range(n)]
+    spec = _moe_spec(cfg)
+    sparse = set(spec.sparse_layers) if spec else set()
+    return [i in sparse for i in range(cfg["num_hidden_layers"])]
+
+
+def _moe_spec(cfg: dict[str, Any]) -> Any:
+    from rl_engine.adapters._moe import moe_spec
+
+    try:
+        return moe_spec(cfg)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UnsupportedNumericsError(f"from_pretrained: {exc}") from None
 
 
 def _num_experts(cfg: dict[str, Any]) -> int:
-    # Mixtral: num_local_experts; Qwen: num_experts (transformers 5 saves num_local_experts)
-    n = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not n:
-        raise UnsupportedNumericsError("from_pretrained: an MoE config without num_experts")
-    return int(n)
-
-
-def _moe_ffn(cfg: dict[str, Any]) -> int:
-    return int(cfg["intermediate_size"] if cfg["model_type"] == "mixtral"
-               else cfg["moe_intermediate_size"])  # fmt: skip
+    spec = _moe_spec(cfg)
+    if spec is None:
+        raise UnsupportedNumericsError(f"from_pretrained: {cfg.get('model_type')!r} is not MoE")
+    return spec.n_experts
 
 
 def moe_routing(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``moe_topk`` scoring of an MoE family (what vLLM and the HF adapter run): Qwen3-MoE /
-    Qwen2-MoE: softmax over all experts, top-k, renormalised when ``norm_topk_prob``;
-    Mixtral: top-k of the logits, softmax over the k."""
-    if cfg["model_type"] == "mixtral":
-        return {"scoring": "topk_softmax", "renormalize": False}
-    return {"scoring": "softmax", "renormalize": bool(cfg.get("norm_topk_prob", False))}
+    """``moe_topk`` scoring of an MoE family (what vLLM and the HF adapter run; one reading for
+    every engine, ``adapters._moe``): Qwen3-MoE / Qwen2-MoE: softmax over all experts, top-k,
+    renormalised when ``norm_topk_prob``; Mixtral: top-k of the logits, softmax over the k."""
+    return _moe_spec(cfg).topk_kwargs
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -139,18 +134,18 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
         gradient_accumulation_fusion=False,
     )
     if arch in MOE:
-        shared = cfg.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
+        spec = _moe_spec(cfg)
+        shared = spec.shared_intermediate
         kw.update(
-            num_moe_experts=_num_experts(cfg),
-            moe_router_topk=int(cfg["num_experts_per_tok"]),
-            moe_ffn_hidden_size=_moe_ffn(cfg),
+            num_moe_experts=spec.n_experts,
+            moe_router_topk=spec.top_k,
+            moe_ffn_hidden_size=spec.intermediate,
             moe_shared_expert_intermediate_size=shared or None,
             moe_shared_expert_gate=bool(shared),
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             # the stock router's nearest equivalent (rl_engine's layer takes moe_routing)
-            moe_router_pre_softmax=moe_routing(cfg)["scoring"] == "softmax"
-            and not moe_routing(cfg)["renormalize"],
+            moe_router_pre_softmax=spec.scoring == "softmax" and not spec.renormalize,
         )
     kw.update(overrides)
     return TransformerConfig(**kw)
