@@ -63,7 +63,8 @@ def moe_spec(cfg: Any) -> MoESpec | None:
                 "to 0)"
             )
     else:
-        n_experts = int(_get(cfg, "num_experts"))
+        # released Qwen checkpoints say num_experts; transformers 5 saves num_local_experts
+        n_experts = int(_get(cfg, "num_experts") or _get(cfg, "num_local_experts"))
         scoring, renorm = "softmax", bool(_get(cfg, "norm_topk_prob", False))
         inter = int(_get(cfg, "moe_intermediate_size"))
         shared = int(_get(cfg, "shared_expert_intermediate_size", 0) or 0)
