@@ -338,3 +338,23 @@ def test_replace_modules_refuses_stock_moe_and_keeps_rl_moe(models, ckpts):
     assert not any(".mlp." in n for n in report.replaced), report.replaced
     report = ma.replace_modules(models[CASES[0]])
     assert "decoder.layers.0.mlp" in report.already and not report.not_replaced
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_equals_hf_adapter_bitwise(models, ckpts, case):
+    """The two trainers agree bit for bit on the same checkpoint: Megatron's RLMoELayer and the
+    HF adapter's patched sparse block run the same router rule, experts and combine."""
+    import transformers
+
+    from rl_engine.adapters import hf as ha
+    from rl_engine.adapters import megatron as ma
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpts[case], dtype=getattr(torch, case[1])
+    )
+    ha.patch_model(hf.eval())
+    for seq in tc.sequences()[:3]:
+        with torch.no_grad():
+            a = ma.token_logprobs(models[case], seq[None], TEMP)
+            b = ha.token_logprobs(hf, seq[None], TEMP)
+        assert torch.equal(a, b), (a - b).abs().max()
