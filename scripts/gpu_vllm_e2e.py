@@ -275,6 +275,7 @@ def _families(records: list[dict]) -> dict[str, set[str]]:
 
 
 def _drive(args) -> int:
+    from rl_engine.audit.metrics import provenance_check
     from rl_engine.testing.tiny_models import make_tiny_model
 
     out = Path(args.out or os.environ.get("OUT") or "out").resolve()
@@ -372,8 +373,17 @@ def _drive(args) -> int:
                 common = sorted(set(rollout_fam) & set(trainer_fam))
                 e["families_rollout"] = {k: sorted(v) for k, v in rollout_fam.items()}
                 e["families_trainer"] = {k: sorted(v) for k, v in trainer_fam.items()}
-                e["same_families"] = bool(common) and all(
-                    rollout_fam[k] == trainer_fam[k] for k in common
+                # the ops both resolved, and the reduction of the TP-sharded GEMMs (plain
+                # det_gemm on one side, the grouped det_gemm_tp on the other is a mismatch)
+                check = provenance_check(
+                    [x for p in prov for x in p.get("registry", [])],
+                    trainer["registry"] if trainer else [],
+                )
+                e["family_problems"] = check["problems"]
+                e["same_families"] = (
+                    bool(common)
+                    and all(rollout_fam[k] == trainer_fam[k] for k in common)
+                    and not check["mismatches"]
                 )
                 e["ok"] = (
                     e["require_routing"] == "ok"
