@@ -39,6 +39,7 @@ from shapes import QWEN3_30B_A3B_MOE  # noqa: E402
 
 from rl_engine import KernelRegistry  # noqa: E402
 from rl_engine.ops import moe_combine, moe_experts, moe_router  # noqa: E402
+from rl_engine.ops.moe_experts import triton as moe_triton  # noqa: E402
 
 DECODE_T = (1, 8, 32, 64, 128, 256)
 PREFILL_T = (4096, 8192, 16384)
@@ -111,6 +112,12 @@ def _case(args, copy_tb_s, c, weights, vllm, t: int) -> dict:
     r["experts_hit"] = hit
     r["experts_tflop_s"] = flops / (r["experts_us"] * 1e-6) / 1e12
     r["experts_bw_frac"] = common.bw_frac(wbytes, r["experts_us"], copy_tb_s)
+    if decode:  # the slot alignment alone, both paths (sets _ALIGN_KERNEL_MAX_SLOTS)
+        bm = moe_triton.get_config(t * k, c["experts"], x.dtype).block_m
+        for name, fn in (("torch", moe_triton.align_torch), ("triton", moe_triton.align_triton)):
+            r[f"align_{name}_us"] = common.bench_graph(
+                lambda ii, fn=fn: fn(ii, c["experts"], bm), [(ids,)], quick=args.quick
+            )
     if why_not is None:
         vid = ids.to(torch.int32)
         r["vllm_layer_us"] = _time(
@@ -130,6 +137,11 @@ def _case(args, copy_tb_s, c, weights, vllm, t: int) -> dict:
         r,
         "moe T={t:6d} ({phase:7s}) layer {layer_us:9.1f} us, experts {experts_us:9.1f} us "
         "({experts_tflop_s:6.1f} TFLOP/s, {experts_bw_frac:.2f} copy){vs}",
+        al=(
+            f"  align torch {r['align_torch_us']:.1f} / triton {r['align_triton_us']:.1f} us"
+            if "align_torch_us" in r
+            else ""
+        ),
         vs=(
             f"  vLLM layer {r['vllm_layer_us']:9.1f} us ({r['layer_ratio_vs_vllm']:.2f}x), "
             f"experts {r['vllm_experts_us']:9.1f} us ({r['experts_ratio_vs_vllm']:.2f}x)"
@@ -155,7 +167,8 @@ def main() -> None:
     common.print_table(
         rows,
         ["t", "phase", "layer_us", "vllm_layer_us", "layer_ratio_vs_vllm", "experts_us",
-         "vllm_experts_us", "experts_ratio_vs_vllm", "experts_tflop_s", "experts_bw_frac"],
+         "vllm_experts_us", "experts_ratio_vs_vllm", "experts_tflop_s", "experts_bw_frac",
+         "align_torch_us", "align_triton_us"],
     )  # fmt: skip
     with_base = [r for r in rows if "layer_ratio_vs_vllm" in r]
     summary = {

@@ -77,7 +77,7 @@ def test_align_layout(t, block_m):
     ids = torch.randint(0, 10, (t, 3), generator=g)
     emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, -1, 6])
     n_local = 7
-    slots, block_expert, row_start, counts = mt.align(ids, n_local, block_m, emap)
+    slots, block_expert, row_start, counts = mt.align_torch(ids, n_local, block_m, emap)
     s = t * 3
     nb = mt.max_blocks(s, n_local, block_m)
     assert slots.shape == (nb * block_m,) and block_expert.shape == (nb,)
@@ -98,12 +98,32 @@ def test_align_layout(t, block_m):
     assert bool((block_expert[used:] == n_local + 1).all())
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "t, k, e, block_m, mapped", [(1, 8, 128, 16, False), (7, 2, 8, 16, True), (33, 2, 8, 64, True),
+                                 (200, 3, 7, 16, True), (64, 8, 128, 16, False)]
+)  # fmt: skip
+def test_align_kernel_equals_torch(t, k, e, block_m, mapped):
+    g = torch.Generator().manual_seed(t)
+    n_global = e + 3 if mapped else e
+    ids = torch.randint(0, n_global, (t, k), generator=g).to(DEVICE)
+    emap = None
+    if mapped:
+        emap = torch.full((n_global,), -1)
+        emap[torch.randperm(n_global, generator=g)[:e]] = torch.arange(e)
+        emap = emap.to(DEVICE)
+    want = mt.align_torch(ids, e, block_m, emap)
+    got = mt.align_triton(ids, e, block_m, emap)
+    for a, b, n in zip(got, want, ("slots", "block_expert", "row_start", "counts"), strict=True):
+        assert_bitwise(a, b.to(a.dtype), f"align {n}")
+
+
 def test_max_blocks_is_a_bound():
     # worst case: every bucket one slot (each a whole block)
     for s, e, bm in ((8, 8, 16), (9, 8, 16), (1, 128, 64), (300, 4, 16)):
         ids = torch.arange(s).reshape(s, 1) % (e + 1)
         emap = torch.cat([torch.arange(e), torch.tensor([-1])])
-        slots, block_expert, *_ = mt.align(ids, e, bm, emap)
+        slots, block_expert, *_ = mt.align_torch(ids, e, bm, emap)
         assert int((block_expert <= e).sum()) <= mt.max_blocks(s, e, bm)
 
 

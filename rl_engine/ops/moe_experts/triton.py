@@ -141,11 +141,13 @@ if triton is not None:
 
     @triton.jit
     def _chunk(
-        acc, a_rows, b_cols, rk, kt_lo, kt_hi, K, stride_ak, stride_bk,
-        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        acc, acc2, a_rows, b_cols, off2, rk, kt_lo, kt_hi, K, stride_ak, stride_bk,
+        TWO: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
-        """``acc`` + the K steps ``kt_lo .. kt_hi - 1`` in order; ``a_rows`` [BM, 1] and
-        ``b_cols`` [1, BN] are the row / column base pointers."""
+        """``acc`` (+ ``acc2`` with ``TWO``: the columns ``off2`` further on in ``b``) + the K
+        steps ``kt_lo .. kt_hi - 1`` in order; ``a_rows`` [BM, 1] and ``b_cols`` [1, BN] are the
+        row / column base pointers. Each accumulator's order is the one-product order."""
         for kt in range(kt_lo, kt_hi):
             kk = kt * BLOCK_K + rk
             a_ptrs = a_rows + kk[None, :] * stride_ak
@@ -153,37 +155,46 @@ if triton is not None:
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
+                if TWO:
+                    b2 = tl.load(b_ptrs + off2)
             else:
                 a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
                 b = tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0)
+                if TWO:
+                    b2 = tl.load(b_ptrs + off2, mask=kk[:, None] < K, other=0.0)
             acc = _dot_acc(a, b, acc, UPCAST, IEEE)
-        return acc
+            if TWO:
+                acc2 = _dot_acc(a, b2, acc2, UPCAST, IEEE)
+        return acc, acc2
 
     @triton.jit
     def _product(
-        a_rows, b_cols, rk, K, stride_ak, stride_bk,
+        a_rows, b_cols, off2, rk, K, stride_ak, stride_bk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        KC_TILES: tl.constexpr, MULTI_CHUNK: tl.constexpr, EVEN_K: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        KC_TILES: tl.constexpr, MULTI_CHUNK: tl.constexpr, TWO: tl.constexpr,
+        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         """fp32 [BM, BN] tile of a @ b in det_gemm's order: K chunks of ``KC_TILES`` steps,
-        each into a fresh partial, partials added in chunk order (one chunk: itself)."""
+        each into a fresh partial, partials added in chunk order (one chunk: itself); with
+        ``TWO`` also the tile ``off2`` further on in b (the same A loads)."""
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_tiles = tl.cdiv(K, BLOCK_K)
         if MULTI_CHUNK:
             acc = zero
+            acc2 = zero
             for c0 in range(0, k_tiles, KC_TILES):
-                part = _chunk(
-                    zero, a_rows, b_cols, rk, c0, tl.minimum(c0 + KC_TILES, k_tiles), K,
-                    stride_ak, stride_bk, BLOCK_K, EVEN_K, UPCAST, IEEE,
+                part, part2 = _chunk(
+                    zero, zero, a_rows, b_cols, off2, rk, c0, tl.minimum(c0 + KC_TILES, k_tiles),
+                    K, stride_ak, stride_bk, TWO, BLOCK_K, EVEN_K, UPCAST, IEEE,
                 )  # fmt: skip
                 acc = acc + part
+                acc2 = acc2 + part2
         else:
-            acc = _chunk(
-                zero, a_rows, b_cols, rk, 0, k_tiles, K, stride_ak, stride_bk,
-                BLOCK_K, EVEN_K, UPCAST, IEEE,
+            acc, acc2 = _chunk(
+                zero, zero, a_rows, b_cols, off2, rk, 0, k_tiles, K, stride_ak, stride_bk,
+                TWO, BLOCK_K, EVEN_K, UPCAST, IEEE,
             )  # fmt: skip
-        return acc
+        return acc, acc2
 
     @triton.jit
     def _moe_gemm_kernel(
@@ -228,15 +239,12 @@ if triton is not None:
         a_rows = a_ptr + a_row[:, None] * stride_am
         b_base = b_ptr + e.to(tl.int64) * stride_be
         rbn = rn % N  # out-of-range columns wrap to valid ones (not stored)
-        acc = _product(
-            a_rows, b_base + rbn[None, :] * stride_bn, rk, K, stride_ak, stride_bk,
-            BLOCK_M, BLOCK_N, BLOCK_K, KC_TILES, MULTI_CHUNK, EVEN_K, UPCAST, IEEE,
+        acc, up = _product(
+            a_rows, b_base + rbn[None, :] * stride_bn, N * stride_bn, rk, K, stride_ak,
+            stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, KC_TILES, MULTI_CHUNK, SWIGLU, EVEN_K, UPCAST,
+            IEEE,
         )  # fmt: skip
         if SWIGLU:
-            up = _product(
-                a_rows, b_base + (rbn + N)[None, :] * stride_bn, rk, K, stride_ak, stride_bk,
-                BLOCK_M, BLOCK_N, BLOCK_K, KC_TILES, MULTI_CHUNK, EVEN_K, UPCAST, IEEE,
-            )  # fmt: skip
             g16 = acc.to(c_ptr.dtype.element_ty)
             u16 = up.to(c_ptr.dtype.element_ty)
             if STORE_H:
@@ -313,6 +321,53 @@ if triton is not None:
             o_ptrs, total.to(out_ptr.dtype.element_ty), mask=(ro[:, None] < KO) & (rn[None, :] < N)
         )
 
+    @triton.jit
+    def _moe_align_kernel(
+        ids_ptr, map_ptr, slots_ptr, block_expert_ptr, row_start_ptr, counts_ptr,
+        S, E, NB,
+        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+        HAS_MAP: tl.constexpr,
+    ):  # fmt: skip
+        # One program: the layout of :func:`align_torch` (small S: one launch instead of a
+        # dozen). slots must hold S everywhere on entry. Buckets 0..E-1 local experts, E the
+        # non-local slots.
+        bins = tl.arange(0, BLOCK_E)
+        rs = tl.arange(0, BLOCK_S)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for s0 in range(0, S, BLOCK_S):
+            sl = s0 + rs
+            m = sl < S
+            e = tl.load(ids_ptr + sl, mask=m, other=0).to(tl.int32)
+            if HAS_MAP:
+                e = tl.load(map_ptr + e, mask=m, other=0).to(tl.int32)
+                e = tl.where(e < 0, E, e)
+            e = tl.where(m, e, BLOCK_E)  # matches no bin
+            counts += tl.sum((e[:, None] == bins[None, :]).to(tl.int32), 0)
+        nblk = (counts + (BLOCK_M - 1)) // BLOCK_M
+        blk_end = tl.cumsum(nblk, 0)
+        row_start = (blk_end - nblk) * BLOCK_M
+        tl.store(row_start_ptr + bins, row_start, mask=bins <= E)
+        tl.store(counts_ptr + bins, counts, mask=bins <= E)
+        running = row_start
+        for s0 in range(0, S, BLOCK_S):
+            sl = s0 + rs
+            m = sl < S
+            e = tl.load(ids_ptr + sl, mask=m, other=0).to(tl.int32)
+            if HAS_MAP:
+                e = tl.load(map_ptr + e, mask=m, other=0).to(tl.int32)
+                e = tl.where(e < 0, E, e)
+            e = tl.where(m, e, BLOCK_E)
+            onehot = (e[:, None] == bins[None, :]).to(tl.int32)
+            before = tl.cumsum(onehot, 0) - onehot  # same-bucket slots earlier in the chunk
+            pos = tl.sum(onehot * (before + running[None, :]), 1)
+            tl.store(slots_ptr + pos, sl, mask=m)
+            running += tl.sum(onehot, 0)
+        # block b belongs to the first bucket whose block range ends after b (E + 1: none)
+        for b0 in range(0, NB, BLOCK_S):
+            b = b0 + rs
+            owner = tl.sum((blk_end[None, :] <= b[:, None]) & (bins[None, :] <= E), 1)
+            tl.store(block_expert_ptr + b, owner.to(tl.int32), mask=b < NB)
+
 
 def _kernel(name: str, device: torch.device) -> Any:
     return _tr.launcher(globals()[name], device)
@@ -331,7 +386,49 @@ def max_blocks(n_slots: int, n_experts: int, block_m: int) -> int:
     return _tr.cdiv(n_slots, block_m) + min(n_experts + 1, n_slots)
 
 
+# Up to this many slots the alignment is one Triton program (decode: one launch instead of a
+# dozen small torch kernels); beyond, torch ops (their cost is small next to the GEMMs). The
+# same layout either way (a launch choice; tested).
+_ALIGN_KERNEL_MAX_SLOTS = 512  # provisional: bench_moe.py times both paths (align_*_us)
+
+
 def align(
+    ids: torch.Tensor, n_experts: int, block_m: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The aligned layout of the slots (see :func:`align_torch`): one Triton program for up to
+    ``_ALIGN_KERNEL_MAX_SLOTS`` slots, else torch ops."""
+    if ids.numel() > _ALIGN_KERNEL_MAX_SLOTS or ids.numel() == 0:
+        return align_torch(ids, n_experts, block_m, expert_map)
+    return align_triton(ids, n_experts, block_m, expert_map)
+
+
+def align_triton(
+    ids: torch.Tensor, n_experts: int, block_m: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_torch`'s layout from one Triton program."""
+    s = ids.numel()
+    dev = ids.device
+    nb = max_blocks(s, n_experts, block_m)
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    slots = torch.full((nb * block_m,), s, dtype=torch.int32, device=dev)
+    block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
+    row_start = torch.empty((n_experts + 1,), dtype=torch.int32, device=dev)
+    counts = torch.empty((n_experts + 1,), dtype=torch.int32, device=dev)
+    emap = expert_map if expert_map is not None else flat
+    block_e = max(16, 1 << (n_experts + 1).bit_length())  # > E + 1 bins
+    block_s = max(16, min(128, 8192 // block_e))
+    with _guard(ids):
+        _kernel("_moe_align_kernel", dev)[(1,)](
+            flat, emap, slots, block_expert, row_start, counts, s, n_experts, nb,
+            BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=block_e,
+            HAS_MAP=expert_map is not None, num_warps=8,
+        )  # fmt: skip
+    return slots, block_expert, row_start, counts
+
+
+def align_torch(
     ids: torch.Tensor, n_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The aligned layout of the slots (device ops of static shape; no host sync).
