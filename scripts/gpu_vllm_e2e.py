@@ -52,6 +52,24 @@ PREFIX_LEN = 96
 MODELS = {
     "qwen2": family_config("qwen2", layers=4, hidden=1536, heads=12, kv_heads=2, ffn=8960),
     "llama": family_config("llama", layers=4, hidden=2048, heads=16, kv_heads=8, ffn=5632),
+    # Qwen3-30B-A3B widths (hidden 2048, 32 / 4 heads, top-8 experts of FFN 768, vocab 151936),
+    # 4 layers and 64 experts (issue 43's GPU acceptance: >= 4 layers, >= 64 experts)
+    "qwen3_moe": {
+        "arch": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 2048,
+    },
 }
 
 
