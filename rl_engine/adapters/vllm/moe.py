@@ -174,6 +174,8 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
         return "latent MoE (routed input / output transforms)"
     if getattr(runner, "shared_expert_gate", None) is not None:
         return "a shared-expert gate fused into the router GEMM"
+    if getattr(experts, "rocm_aiter_fmoe_enabled", False):
+        return "ROCm AITER fused MoE (its expert mask is not an expert map)"
     if getattr(cfg, "is_lora_enabled", False):
         return "LoRA on MoE layers"
     if cfg.dp_size > 1 or cfg.pcp_size > 1 or cfg.is_sequence_parallel:
