@@ -145,7 +145,8 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
 
     Checks, in each worker (through ``llm.collective_rpc``), that the patches are applied, that
     the loaded model was checked with no unroutable layer (its sampler included), and that the
-    engine's forward actually executed every routed op (:data:`check.ROUTED_OPS`) once any
+    engine's forward actually executed every routed op (:data:`check.ROUTED_OPS`, plus
+    :data:`check.MOE_OPS` for a mixture-of-experts model) once any
     forward ran (vLLM's profiling / graph-capture runs at start do; a warning says when none
     ran yet), so a compiled graph without them is caught. Call it
     once after building the ``LLM``, before trusting its log-probs: it catches the plugin being
@@ -176,7 +177,8 @@ def require_routing(llm: Any) -> list[dict[str, Any]]:
                 from rl_engine.adapters.vllm.check import ROUTED_OPS
 
                 ran = info.get("executed_ops") or {}
-                never = [op for op in ROUTED_OPS if not ran.get(op)]
+                ops = info["models"][-1].get("routed_ops") or ROUTED_OPS
+                never = [op for op in ops if not ran.get(op)]
                 if not ran.get("attention"):
                     # no forward has run in that worker yet (an engine without a profiling
                     # run, e.g. kv_cache_memory_bytes given and enforce_eager): nothing to

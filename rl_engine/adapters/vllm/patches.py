@@ -19,6 +19,10 @@ function carries ``_rl_engine_patched = True``):
   parameters are checked once (:func:`check_sampling_params`): a warning, once per reason and
   process, for log-probs the plugin does not model (raw mode at a temperature != 1; top-k /
   top-p / min-p / penalties / logit bias / allowed or bad words).
+* Mixture of experts (:mod:`.moe`): ``MoERunner.forward`` -> ``moe_topk`` / ``moe_experts`` /
+  ``moe_combine`` (expert parallelism and the Qwen2-MoE shared expert included);
+  ``UnquantizedFusedMoEMethod.process_weights_after_loading`` keeps the expert weights as loaded;
+  vLLM 0.32's ``GateLinear.forward`` -> the plain routed linear path (model-dtype ``det_gemm``).
 * ``BaseModelLoader.load_model``: after loading, the model is checked (:mod:`.check`); in strict
   mode a layer that is not routed refuses the model; the registry provenance is written.
 * ``VllmConfig.compute_hash``: mixed with :func:`routing_tag`. vLLM keys its torch.compile
@@ -564,6 +568,9 @@ def apply_layer_patches() -> None:
     if lay.SamplerV2 is not None:
         _patch(lay.SamplerV2, "__call__", _make_sampler_v2_call)
         _patch(lay.SamplerV2, "add_request", _make_sampler_v2_add_request)
+    from rl_engine.adapters.vllm import moe
+
+    moe.apply_patches(_patch)
     _patch(lay.BaseModelLoader, "load_model", _make_load_model)
     _patch(lay.VllmConfig, "compute_hash", _make_compute_hash)
     # worker methods that require_routing / provenance call by name (collective_rpc)
