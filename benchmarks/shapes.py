@@ -54,3 +54,7 @@ INTERMEDIATE_SIZES: tuple[int, ...] = (12288, 14336, 25600)
 VOCAB_SIZES: tuple[int, ...] = (128256, 151936)
 # Attention: (num_q_heads, num_kv_heads, head_dim) of Llama-3-8B / Qwen3-8B / Qwen3-32B.
 ATTENTION_HEADS: tuple[tuple[int, int, int], ...] = ((32, 8, 128), (32, 8, 128), (64, 8, 128))
+
+# Mixture-of-experts layers: (hidden, routed experts, top-k, expert FFN) of Qwen3-30B-A3B
+# (benchmarks/bench_moe.py).
+QWEN3_30B_A3B_MOE = dict(hidden=2048, experts=128, top_k=8, ffn=768)

@@ -26,7 +26,9 @@ Variables:
         (``rl_engine.ops.det_gemm.tp``): unset = on with 8 groups at TP > 1, off at TP = 1;
         ``8`` = on at every degree, TP = 1 included (set it on every side: the
         rollout and the trainers at TP 1, 2, 4, 8 then agree bitwise); ``0`` = off (TP > 1 is
-        refused).
+        refused). Unset, a TP 1 side and a TP > 1 side differ; provenance tells them apart
+        (``det_gemm_tp`` resolved or not) and ``rl_engine.audit.metrics.provenance_check``
+        reports the pair as a mismatch.
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 

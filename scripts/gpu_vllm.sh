@@ -5,6 +5,8 @@
 #   1. carry .vllm_gpu/0:  mkdir -p /tmp/vllm_parts && cp .vllm_gpu/0/part.0 /tmp/vllm_parts/
 #   2. carry .vllm_gpu/1:  cp .vllm_gpu/1/part.1 /tmp/vllm_parts/
 #   3. carry .vllm_gpu/2 .whl:  STEPS="e2e" bash scripts/gpu_vllm.sh
+# A payload built with --moe (stock MoE models need vLLM's MoE kernels) has four parts: copy
+# parts 0, 1 and 2 as above (three calls), then carry .vllm_gpu/3 .whl in the fourth.
 # Later calls of the same warm lease reuse /tmp/vllm_site (no carry of .vllm_gpu needed).
 #
 # STEPS (space separated, in order): e2e (scripts/gpu_vllm_e2e.py), e2e-quick, rollout
@@ -12,6 +14,8 @@
 # on the GPU), grpo / grpo-megatron (rl-engine grpo with CUDA graphs on a Qwen2.5-0.5B-shaped
 # model, HF / Megatron trainer; results under benchmarks/results/<gpu>/grpo_*), tp / tp-vllm
 # (scripts/gpu_tp.sh, 2+ GPUs; tp alone needs no vLLM);
+# moe-tests (the MoE ops' tests on CUDA), moe-bench (benchmarks/bench_moe.py vs vLLM's fused_moe;
+# needs the --moe payload); e2e with STEP_ARGS_e2e="--archs qwen3_moe" checks the MoE model.
 # STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
 # Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
 set -uo pipefail
@@ -31,8 +35,14 @@ PY=${PYTHON:-python3}
 NEEDS_VLLM=0
 for step in ${STEPS:-e2e}; do [ "$step" = tp ] || NEEDS_VLLM=1; done
 if [ "$NEEDS_VLLM" = 1 ] && [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
-  [ -x .vllm_gpu/2/install.sh ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 carried"; exit 3; }
-  bash .vllm_gpu/2/install.sh || exit 3
+  # the payload's last part holds install.sh: .vllm_gpu/2 (three parts) or, built with --moe
+  # (vLLM's MoE kernels kept, for stock MoE models), .vllm_gpu/3 (four parts)
+  INSTALL=""
+  for part in 3 2; do
+    [ -x .vllm_gpu/$part/install.sh ] && { INSTALL=.vllm_gpu/$part/install.sh; break; }
+  done
+  [ -n "$INSTALL" ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 or /3 carried"; exit 3; }
+  bash "$INSTALL" || exit 3
   # the project's dist-info (its vllm.general_plugins entry point) next to vLLM
   $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/vllm_site . \
     || { echo "installing the project's entry point failed"; exit 3; }
@@ -67,6 +77,9 @@ for step in ${STEPS:-e2e}; do
     e2e-quick) cmd=($PY scripts/gpu_vllm_e2e.py --quick --out "$OUT") ;;
     rollout) cmd=($PY benchmarks/bench_rollout.py --out "$RES") ;;
     trainer) cmd=($PY benchmarks/bench_trainer_hf.py --out "$RES") ;;
+    moe-tests)  # the MoE ops on CUDA (bf16, CUDA graphs): Triton grouped experts + references
+      cmd=($PY -m pytest -q -p no:logging tests/ops/test_moe_experts_triton.py tests/ops/test_moe.py) ;;
+    moe-bench) cmd=($PY benchmarks/bench_moe.py --out "$RES") ;;  # vs vLLM's fused_moe
     tp) cmd=(env VLLM_TP=0 bash scripts/gpu_tp.sh) ;;  # Megatron + FSDP2 over 2 GPUs
     tp-vllm) cmd=(env VLLM_TP=1 bash scripts/gpu_tp.sh) ;;  # vLLM TP 2 with CUDA graphs
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU

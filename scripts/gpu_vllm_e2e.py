@@ -52,6 +52,24 @@ PREFIX_LEN = 96
 MODELS = {
     "qwen2": family_config("qwen2", layers=4, hidden=1536, heads=12, kv_heads=2, ffn=8960),
     "llama": family_config("llama", layers=4, hidden=2048, heads=16, kv_heads=8, ffn=5632),
+    # Qwen3-30B-A3B widths (hidden 2048, 32 / 4 heads, top-8 experts of FFN 768, vocab 151936),
+    # 4 layers and 64 experts (issue 43's GPU acceptance: >= 4 layers, >= 64 experts)
+    "qwen3_moe": {
+        "arch": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 2048,
+    },
 }
 
 
@@ -257,6 +275,7 @@ def _families(records: list[dict]) -> dict[str, set[str]]:
 
 
 def _drive(args) -> int:
+    from rl_engine.audit.metrics import provenance_check
     from rl_engine.testing.tiny_models import make_tiny_model
 
     out = Path(args.out or os.environ.get("OUT") or "out").resolve()
@@ -354,8 +373,17 @@ def _drive(args) -> int:
                 common = sorted(set(rollout_fam) & set(trainer_fam))
                 e["families_rollout"] = {k: sorted(v) for k, v in rollout_fam.items()}
                 e["families_trainer"] = {k: sorted(v) for k, v in trainer_fam.items()}
-                e["same_families"] = bool(common) and all(
-                    rollout_fam[k] == trainer_fam[k] for k in common
+                # the ops both resolved, and the reduction of the TP-sharded GEMMs (plain
+                # det_gemm on one side, the grouped det_gemm_tp on the other is a mismatch)
+                check = provenance_check(
+                    [x for p in prov for x in p.get("registry", [])],
+                    trainer["registry"] if trainer else [],
+                )
+                e["family_problems"] = check["problems"]
+                e["same_families"] = (
+                    bool(common)
+                    and all(rollout_fam[k] == trainer_fam[k] for k in common)
+                    and not check["mismatches"]
                 )
                 e["ok"] = (
                     e["require_routing"] == "ok"

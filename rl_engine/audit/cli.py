@@ -265,6 +265,15 @@ def _validate(
     return model, config, prompts
 
 
+def _moe_spec(config: dict[str, Any], model: str) -> Any:
+    from rl_engine.adapters._moe import moe_spec
+
+    try:
+        return moe_spec(config)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise AuditInputError(f"{model}/config.json: {exc}") from None
+
+
 def _read_model_config(model: str) -> dict[str, Any]:
     path = os.path.join(model, "config.json")
     try:
@@ -352,6 +361,9 @@ def _report_worker_failure(exc: AuditWorkerError, out_dir: str) -> None:
 
 def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     model, config, prompts = _validate(args, workdir)
+    # an MoE model: routing agreement from the router logits of one sequence on both sides
+    # (the localisation capture; one device: --tensor-parallel-size 1)
+    moe = _moe_spec(config, model) if args.tensor_parallel_size == 1 else None
     env_roll = _parse_env(args.rollout_env, "--rollout-env")
     env_train = _parse_env(args.trainer_env, "--trainer-env")
     tp = args.tensor_parallel_size
@@ -398,7 +410,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         )
         t_roll = time.perf_counter() - t0
         loc_seq = None
-        if args.localize:
+        if args.localize or moe is not None:
             seq = roll["runs"][-1]["sequences"][0]
             loc_seq = seq["prompt"] + seq["tokens"]
         _say(f"[{k}/{n_cfg}] {name}: {args.trainer} trainer scoring the sampled tokens")
@@ -446,14 +458,19 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             "trainer_worker": round(time.perf_counter() - t0 - t_roll, 1),
         }
         if loc_seq is not None:
+            what = "every sub-block" if args.localize else "the MoE routers"
             _say(
                 f"[{k}/{n_cfg}] {name}: localisation, one sequence ({len(loc_seq)} tokens) "
-                "through both sides with hooks on every sub-block"
+                f"through both sides with hooks on {what}"
             )
             t1 = time.perf_counter()
-            metrics["localize"] = _localize(
-                args, name, base, loc_seq, config, workdir, env_roll, train["capture_path"]
+            loc, routing = _localize(
+                args, name, base, loc_seq, config, workdir, env_roll, train["capture_path"], moe
             )
+            if args.localize:
+                metrics["localize"] = loc
+            if routing is not None:
+                metrics["routing"] = routing
             metrics["seconds"]["localize"] = round(time.perf_counter() - t1, 1)
         prov_roll, prov_train = roll["provenance"], train["provenance"]
         metrics["provenance"] = {
@@ -502,13 +519,16 @@ def _localize(
     workdir: str,
     env_roll: dict[str, str],
     trainer_capture: str,
-) -> dict[str, Any]:
+    moe: Any = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The rollout's activations on ``sequence`` (an eager engine of its own) against the
     trainer's (``trainer_capture``, written by the trainer worker), point by point
-    (:func:`rl_engine.audit.localize.compare_captures`)."""
+    (:func:`rl_engine.audit.localize.compare_captures`), and for an MoE model (``moe``, its
+    :class:`rl_engine.adapters._moe.MoESpec`) the routing agreement per layer
+    (:func:`rl_engine.audit.localize.routing_agreement`)."""
     import torch
 
-    from rl_engine.audit.localize import compare_captures
+    from rl_engine.audit.localize import compare_captures, routing_agreement
 
     path = os.path.join(workdir, f"{name}-localize-rollout.pt")
     _run_worker(
@@ -525,9 +545,11 @@ def _localize(
         _side_env(name, "rollout", env_roll, {}),
         f"{name}-localize-rollout",
     )
-    return compare_captures(
-        torch.load(path), torch.load(trainer_capture), temperature=args.temperature
-    )
+    rollout, trainer = torch.load(path), torch.load(trainer_capture)
+    routing = None
+    if moe is not None:
+        routing = routing_agreement(rollout, trainer, top_k=moe.top_k, **moe.topk_kwargs)
+    return compare_captures(rollout, trainer, temperature=args.temperature), routing
 
 
 def _dedup(rep: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -548,13 +570,7 @@ def _gate(report: dict[str, Any]) -> list[str]:
         return []
     cfg = report["configurations"]["rl_engine"]
     problems = []
-    check = cfg["provenance"]["check"]
-    for mm in check["mismatches"]:
-        problems.append(
-            f"op {mm['op']}: rollout ran numerics {mm['rollout']}, trainer ran {mm['trainer']}"
-        )
-    for op in check["non_invariant_ops"]:
-        problems.append(f"op {op}: a non-invariant provider was used")
+    problems += cfg["provenance"]["check"]["problems"]
     if cfg["bitwise_equal_fraction"] < 1.0:
         problems.append(
             f"only {100 * cfg['bitwise_equal_fraction']:.2f}% of sampled-token log-probs are "
@@ -564,20 +580,27 @@ def _gate(report: dict[str, Any]) -> list[str]:
 
 
 def _table(report: dict[str, Any]) -> str:
+    routing = any("routing" in m for m in report["configurations"].values())
     head = (
         f"{'configuration':<12} {'tokens':>6} {'bitwise':>9} {'|d|>1e-6':>9} {'max |d|':>9} "
         f"{'mean |d|':>9} {'k1 KL':>10} {'k3 KL':>9} {'ratio min/mean/max':>24} families"
+        + ("  routing agreement (min layer)" if routing else "")
     )
     lines = [head, "-" * len(head)]
     for name, m in report["configurations"].items():
         chk = m["provenance"]["check"]
         fam = "-" if chk is None else ("match" if chk["ok"] else "MISMATCH")
-        lines.append(
+        line = (
             f"{name:<12} {m['tokens']:>6} {100 * m['bitwise_equal_fraction']:>8.2f}% "
             f"{100 * m['delta_gt_1e-6_fraction']:>8.2f}% {fmt_delta(m['max_abs_delta']):>9} "
             f"{fmt_delta(m['mean_abs_delta']):>9} {m['kl_k1']:>10.2e} {m['kl_k3']:>9.2e} "
-            f"{m['ratio_min']:>7.4f}/{m['ratio_mean']:.4f}/{m['ratio_max']:.4f} {fam}"
+            f"{m['ratio_min']:>7.4f}/{m['ratio_mean']:.4f}/{m['ratio_max']:.4f} {fam:<8}"
         )
+        if "routing" in m:
+            r = m["routing"]
+            worst = min(r["layers"].values()) if r["layers"] else float("nan")
+            line += f"  {100 * r['mean']:6.2f}% ({100 * worst:.2f}%)"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -621,6 +644,14 @@ def _markdown(report: dict[str, Any], table: str) -> str:
                 f"| {s['sequence']} | {s['tokens']} | "
                 f"{100 * s['bitwise_equal_fraction']:.1f}% | {fmt_delta(s['max_abs_delta'])} |"
             )
+        if "routing" in m:
+            r = m["routing"]
+            out += ["", f"Routing agreement (top-k ids in order, {r['tokens']} tokens of one "
+                    "sequence; rollout vs trainer router logits, each through the family's "
+                    "routing rule):", "", "| layer | agreement | router logits bitwise |",
+                    "| --- | --- | --- |"]  # fmt: skip
+            for layer, frac in r["layers"].items():
+                out.append(f"| {layer} | {100 * frac:.2f}% | {r['logits_bitwise'][layer]} |")
         if "localize" in m:
             out += ["", "Localisation (one sequence, every sub-block):", "", "```"]
             out += [_localize_text(name, m["localize"]), "```"]

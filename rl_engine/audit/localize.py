@@ -5,8 +5,13 @@ sequence; HF / Megatron: one forward) with forward hooks on every decoder layer'
 captured activations are compared point by point, in the order the model computes them:
 
 ``embed``, then per layer ``L{i}.input_norm``, ``L{i}.attn`` (after the output projection),
-``L{i}.post_attn_norm``, ``L{i}.mlp`` (after the down projection), then ``final_norm`` and
-``logits`` (the LM head's output, all positions).
+``L{i}.post_attn_norm``, in a mixture-of-experts layer ``L{i}.router`` (the router logits
+[T, E]), ``L{i}.mlp`` (after the down projection; in an MoE layer the experts and their
+combine), then ``final_norm`` and ``logits`` (the LM head's output, all positions).
+
+For an MoE model, :func:`routing_agreement` turns the captured router logits into each side's
+top-k expert ids (the family's routing rule, rl_engine's tie rule) and reports per layer the
+share of tokens whose ids, in order, match between rollout and trainer.
 
 The first point that is not bitwise equal is where the two engines' numerics part; later points
 inherit the difference. A residual add that differs shows up at the next norm. Each capture is
@@ -26,7 +31,7 @@ from typing import Any
 
 import torch
 
-SUB_BLOCKS = ("input_norm", "attn", "post_attn_norm", "mlp")
+SUB_BLOCKS = ("input_norm", "attn", "post_attn_norm", "router", "mlp")
 
 __all__ = [
     "SUB_BLOCKS",
@@ -36,6 +41,7 @@ __all__ = [
     "compare_captures",
     "full_vocab_kl",
     "hook_points",
+    "routing_agreement",
 ]
 
 
@@ -55,8 +61,11 @@ def hook_points(model: Any, kind: str) -> list[tuple[str, torch.nn.Module]]:
                 (f"L{i}.input_norm", layer.input_layernorm),
                 (f"L{i}.attn", layer.self_attn),
                 (f"L{i}.post_attn_norm", layer.post_attention_layernorm),
-                (f"L{i}.mlp", layer.mlp),
             ]
+            router = _router_module(layer.mlp, kind)
+            if router is not None:
+                pts.append((f"L{i}.router", router))
+            pts.append((f"L{i}.mlp", layer.mlp))
         return pts + [("final_norm", base.norm)]
     if kind == "megatron":
         while hasattr(model, "module") and not hasattr(model, "decoder"):
@@ -67,10 +76,56 @@ def hook_points(model: Any, kind: str) -> list[tuple[str, torch.nn.Module]]:
                 (f"L{i}.input_norm", layer.input_layernorm),
                 (f"L{i}.attn", layer.self_attention),
                 (f"L{i}.post_attn_norm", layer.pre_mlp_layernorm),
-                (f"L{i}.mlp", layer.mlp),
             ]
+            router = _router_module(layer.mlp, kind)
+            if router is not None:
+                pts.append((f"L{i}.router", router))
+            pts.append((f"L{i}.mlp", layer.mlp))
         return pts + [("final_norm", model.decoder.final_layernorm)]
     raise ValueError(f"unknown engine kind {kind!r}: expected hf, vllm or megatron")
+
+
+def _router_module(mlp: torch.nn.Module, kind: str) -> torch.nn.Module | None:
+    """The module of an MoE block whose output (first element) is the router logits [T, E]:
+    transformers' and vLLM's ``gate`` (next to ``experts``); Megatron's rl_engine MoE layer
+    names it ``router`` and returns the logits from it. ``None`` for a dense MLP."""
+    if kind in ("hf", "vllm"):
+        if hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+            return mlp.gate
+        return None
+    return getattr(mlp, "router", None)
+
+
+def routing_agreement(
+    rollout: dict[str, torch.Tensor],
+    trainer: dict[str, torch.Tensor],
+    *,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+) -> dict[str, Any]:
+    """Per MoE layer, the share of tokens whose top-k expert ids (in order) are equal on both
+    sides, each side's ids computed from its own captured router logits with the family's rule
+    (``moe_topk``'s reference: the same tie rule for both). ``layers``: ``{layer: fraction}``;
+    ``logits_bitwise``: ``{layer: bool}``; ``mean``: the mean over layers; ``tokens``."""
+    from rl_engine.ops.moe_router.reference import moe_topk
+
+    layers: dict[str, float] = {}
+    bitwise: dict[str, bool] = {}
+    tokens = 0
+    for name, a in rollout.items():
+        layer, _, block = name.partition(".")
+        if block != "router":
+            continue
+        b = trainer[name]
+        ia = moe_topk(a.float(), top_k, scoring, renormalize)[1]
+        ib = moe_topk(b.float(), top_k, scoring, renormalize)[1]
+        same = (ia == ib).all(dim=-1)
+        layers[layer] = float(same.float().mean()) if same.numel() else float("nan")
+        bitwise[layer] = bool(torch.equal(a, b))
+        tokens = int(same.numel())
+    mean = sum(layers.values()) / len(layers) if layers else float("nan")
+    return {"layers": layers, "logits_bitwise": bitwise, "mean": mean, "tokens": tokens}
 
 
 @contextmanager

@@ -71,13 +71,66 @@ def compare(
     }
 
 
+#: The op whose family names the grouped TP-invariant reduction (:mod:`rl_engine.ops.det_gemm.tp`).
+TP_OP = "det_gemm_tp"
+#: What to do when the two sides run different reductions of the TP-sharded GEMMs.
+TP_FIX = (
+    "set RL_ENGINE_TP_GROUPS=8 on both sides (every rollout and trainer process): the grouped "
+    "reduction at every degree, TP 1 included"
+)
+
+
+def records(provenance: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Registry records (``KernelRegistry.report()`` rows) from a registry report, or from a list
+    of per-process provenance dicts that hold one under ``"registry"`` (what
+    :func:`rl_engine.adapters.vllm.provenance` returns, one per vLLM worker)."""
+    out: list[dict[str, Any]] = []
+    for r in provenance:
+        out.extend(r["registry"] if "registry" in r else [r])
+    return out
+
+
+def tp_reduction(provenance: list[dict[str, Any]]) -> list[str]:
+    """The numerics families of the GEMMs that tensor parallelism shards (row-parallel forward:
+    attention output, MLP down projection; column-parallel input gradient) in a process's
+    provenance: the ``det_gemm_tp/g<G>[...]`` families when the grouped TP-invariant reduction
+    ran (TP > 1, or ``RL_ENGINE_TP_GROUPS=8``), else the plain ``det_gemm`` families (TP 1 with
+    the variable unset or 0), else ``[]`` (no GEMM recorded: nothing to say)."""
+    fams: dict[str, set[str]] = {}
+    for r in records(provenance):
+        fams.setdefault(r["op"], set()).add(r["numerics"])
+    return sorted(fams.get(TP_OP) or fams.get("det_gemm") or ())
+
+
+def _reduction_text(fams: list[str]) -> str:
+    if any(f.startswith(TP_OP + "/") for f in fams):
+        return (
+            f"the grouped TP-invariant reduction ({', '.join(fams)}; TP > 1, or "
+            "RL_ENGINE_TP_GROUPS=8)"
+        )
+    return f"plain det_gemm ({', '.join(fams)}; TP 1 with RL_ENGINE_TP_GROUPS unset or 0)"
+
+
 def provenance_check(
-    rollout: list[dict[str, Any]], trainer: list[dict[str, Any]]
+    rollout: list[dict[str, Any]],
+    trainer: list[dict[str, Any]],
+    *,
+    names: tuple[str, str] = ("rollout", "trainer"),
 ) -> dict[str, Any]:
     """Check that every op both sides resolved ran the same numerics family.
 
-    Returns ``{"ok": bool, "mismatches": [...], "rollout_only": [...], "trainer_only": [...]}``.
+    ``rollout`` / ``trainer``: registry reports, or per-process provenance dicts (see
+    :func:`records`). Besides the ops both sides resolved, the reduction of the TP-sharded GEMMs
+    is compared (:func:`tp_reduction`): one side on plain ``det_gemm`` (it resolved no
+    ``det_gemm_tp``) and the other on the grouped ``det_gemm_tp`` is a mismatch of op
+    ``det_gemm_tp`` whose ``message`` says which side runs which reduction and the fix.
+    ``names`` label the two sides in messages (e.g. ``("TP 1 trainer", "TP 2 trainer")``).
+
+    Returns ``{"ok": bool, "mismatches": [{"op", "rollout", "trainer", "message"}, ...],
+    "non_invariant_ops": [...], "rollout_only": [...], "trainer_only": [...], "problems":
+    [str, ...]}`` (``problems``: one readable line per mismatch and non-invariant op).
     """
+    rollout, trainer = records(rollout), records(trainer)
 
     def families(rep: list[dict[str, Any]]) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {}
@@ -85,20 +138,44 @@ def provenance_check(
             out.setdefault(r["op"], set()).add(r["numerics"])
         return out
 
+    a, b = names
     fr, ft = families(rollout), families(trainer)
     mismatches = []
     for op in sorted(set(fr) & set(ft)):
         if fr[op] != ft[op]:
-            mismatches.append({"op": op, "rollout": sorted(fr[op]), "trainer": sorted(ft[op])})
+            mismatches.append(
+                {
+                    "op": op,
+                    "rollout": sorted(fr[op]),
+                    "trainer": sorted(ft[op]),
+                    "message": f"op {op}: {a} ran numerics {sorted(fr[op])}, {b} ran "
+                    f"{sorted(ft[op])}",
+                }
+            )
+    rr, rt = tp_reduction(rollout), tp_reduction(trainer)
+    if rr and rt and (TP_OP in fr) != (TP_OP in ft):  # one side grouped, the other plain
+        mismatches.append(
+            {
+                "op": TP_OP,
+                "rollout": rr,
+                "trainer": rt,
+                "message": "row-parallel GEMMs (attention output, MLP down projection) and "
+                f"column-parallel input gradients: {a} runs {_reduction_text(rr)}, {b} runs "
+                f"{_reduction_text(rt)}, so their log-probs differ; fix: {TP_FIX}",
+            }
+        )
     non_invariant = sorted(
         {r["op"] for r in list(rollout) + list(trainer) if not r.get("invariant", True)}
     )
+    problems = [m["message"] for m in mismatches]
+    problems += [f"op {op}: a non-invariant provider was used" for op in non_invariant]
     return {
         "ok": not mismatches and not non_invariant,
         "mismatches": mismatches,
         "non_invariant_ops": non_invariant,
         "rollout_only": sorted(set(fr) - set(ft)),
         "trainer_only": sorted(set(ft) - set(fr)),
+        "problems": problems,
     }
 
 

@@ -54,7 +54,9 @@ order changes). Per-device equality (CPU vs GPU) is not promised either.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -252,6 +254,41 @@ class DriftMonitor:
             f"DriftMonitor(position_bins={self.position_bins}, seqlen_bins={self.seqlen_bins}, "
             f"prefix={self.prefix!r}, backend={self.backend!r})"
         )
+
+    # ------------------------------------------------------------------ numerics families
+
+    def check_families(
+        self,
+        rollout_provenance: list[dict[str, Any]],
+        trainer_provenance: list[dict[str, Any]],
+        *,
+        strict: bool = False,
+    ) -> list[str]:
+        """Whether the two sides run the same numerics families: a bitwise-equal fraction
+        below 1 has a cause these name. Call it once, after both sides ran a forward.
+
+        Args:
+            rollout_provenance: the rollout's registry report, or
+                :func:`rl_engine.adapters.vllm.provenance` of the ``LLM`` (one dict per worker).
+            trainer_provenance: the trainer's ``KernelRegistry.report()`` (every TP rank runs
+                the same families; one rank's report is enough).
+            strict: raise ``RuntimeError`` on a mismatch instead of warning.
+        Returns:
+            One line per problem (empty: the families match), from
+            :func:`rl_engine.audit.metrics.provenance_check`; e.g. a rollout at TP 1 on plain
+            ``det_gemm`` and a trainer at TP 2 on the grouped ``det_gemm_tp`` reduction, with
+            the fix (``RL_ENGINE_TP_GROUPS=8`` on both sides). Each line is also warned
+            (``RuntimeWarning``).
+        """
+        from rl_engine.audit.metrics import provenance_check
+
+        problems = provenance_check(rollout_provenance, trainer_provenance)["problems"]
+        if problems:
+            msg = "DriftMonitor: rollout and trainer numerics differ:\n  " + "\n  ".join(problems)
+            if strict:
+                raise RuntimeError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return problems
 
     # ------------------------------------------------------------------ per token / per row
 

@@ -78,7 +78,14 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
                 "seconds": round(time.perf_counter() - t0, 2),
             }
         )
-    return {"runs": runs}
+    result: dict[str, Any] = {"runs": runs}
+    if cfg.get("tensor_parallel_size", 1) > 1 and cfg["engine"] == "rl_engine":
+        # the ranks run in vLLM's worker processes: their registries hold the rollout's
+        # resolutions (det_gemm_tp among them), not this process's
+        from rl_engine.adapters.vllm import provenance
+
+        result["worker_provenance"] = [r for p in provenance(llm) for r in p["registry"]]
+    return result
 
 
 def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +174,7 @@ def main(argv: list[str]) -> int:
 
         roles = {"rollout": _rollout, "trainer": _trainer, "localize": _localize}
         result = roles[cfg["role"]](cfg)
-        result["provenance"] = KernelRegistry.report()
+        result["provenance"] = KernelRegistry.report() + result.pop("worker_provenance", [])
     except Exception:
         # for the parent: the traceback even when stderr goes to a terminal, not to the log
         with open(out_path + ".traceback", "w") as f:

@@ -66,8 +66,11 @@ def _worker(
     # a weight still marked sequence_parallel holds a partial gradient before that step (listed;
     # the rl_engine norms leave none)
     partial = [n for n, p in gpt.named_parameters() if getattr(p, "sequence_parallel", False)]
+    from rl_engine import KernelRegistry
+
     result = {
         "logp": logp.detach().cpu(),
+        "provenance": KernelRegistry.report(),
         "grads": grads,
         "partial": partial if sp else [],
         "finalize_summed": summed,

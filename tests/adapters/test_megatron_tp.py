@@ -31,8 +31,18 @@ model = tc.tiny_model_fixture("qwen2", SHAPE)
 
 @pytest.fixture(scope="module")
 def runs(model, tmp_path_factory):
+    """TP 1 and 4 with ``RL_ENGINE_TP_GROUPS=8``; TP 2 with it unset (the default: the grouped
+    reduction at TP > 1, so the same bits)."""
     out = tmp_path_factory.mktemp("tp_runs")
-    return {t: tp_check.run(model, t, str(out / f"tp{t}"), "float32") for t in (1, 2, 4)}
+    groups = {1: "8", 2: "", 4: "8"}
+    return {t: tp_check.run(model, t, str(out / f"tp{t}"), "float32", g) for t, g in groups.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    """TP 1 with ``RL_ENGINE_TP_GROUPS`` unset: the plain det_gemm reduction (today's default)."""
+    out = tmp_path_factory.mktemp("tp_plain")
+    return tp_check.run(model, 1, str(out / "plain"), "float32", groups="")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -59,10 +69,50 @@ def test_megatron_tp1_equals_hf(model, runs):
     assert torch.equal(tp_check.hf_logprobs(model, "float32"), runs[1][0]["logp"])
 
 
-def test_plain_reduction_at_tp1_does_not_equal_tp2(model, runs, tmp_path):
-    plain = tp_check.run(model, 1, str(tmp_path / "plain"), "float32", groups="")
+def test_plain_reduction_at_tp1_does_not_equal_tp2(model, runs, plain):
     bad = tp_check.compare(model, plain, runs[2])
     assert bad, "the plain det_gemm order at TP = 1 should differ from the grouped TP = 2"
+
+
+def test_default_tp1_and_tp2_families_differ_and_the_checks_say_so(plain, runs):
+    """Issue 44 item 3, until the grouped reduction is the default at TP 1: with
+    ``RL_ENGINE_TP_GROUPS`` unset, a TP 1 and a TP 2 trainer run different reductions, record
+    different families for them, and the family checks (the audit's, ``DriftMonitor``'s) name
+    which side runs which and the fix, instead of passing on the ops both resolved."""
+    from rl_engine.audit import DriftMonitor
+    from rl_engine.audit.metrics import provenance_check, tp_reduction
+
+    one, two = plain[0]["provenance"], runs[2][0]["provenance"]
+    assert tp_reduction(one) == ["det_gemm/native-k16"]
+    assert tp_reduction(two) == ["det_gemm_tp/g8[det_gemm/native-k16]"]
+    check = provenance_check(one, two, names=("TP 1 trainer", "TP 2 trainer"))
+    assert not check["ok"]
+    assert [m["op"] for m in check["mismatches"]] == ["det_gemm_tp"]
+    (msg,) = check["problems"]
+    assert "TP 1 trainer runs plain det_gemm (det_gemm/native-k16; TP 1 with" in msg
+    assert "TP 2 trainer runs the grouped TP-invariant reduction (det_gemm_tp/g8[" in msg
+    assert "set RL_ENGINE_TP_GROUPS=8 on both sides" in msg
+    with pytest.warns(RuntimeWarning, match="rollout runs plain det_gemm"):
+        (said,) = DriftMonitor().check_families(one, two)
+    assert "trainer runs the grouped TP-invariant reduction" in said
+    with pytest.raises(RuntimeError, match="RL_ENGINE_TP_GROUPS=8 on both sides"):
+        DriftMonitor().check_families(one, two, strict=True)
+    lp1, lp2 = plain[0]["logp"][None], runs[2][0]["logp"][None]
+    assert DriftMonitor(position_bins=None, seqlen_bins=None)(lp1, lp2)["bitwise_equal_frac"] < 1
+
+
+def test_groups_on_both_sides_families_equal_and_bitwise(runs):
+    """``RL_ENGINE_TP_GROUPS=8`` at TP 1 (and 4): the same families as the TP 2 default, the
+    checks pass, the log-probs are bitwise equal."""
+    from rl_engine.audit import DriftMonitor
+    from rl_engine.audit.metrics import provenance_check
+
+    one = runs[1][0]["provenance"]
+    for t in (2, 4):
+        check = provenance_check(one, runs[t][0]["provenance"])
+        assert check["ok"] and not check["problems"], check
+        assert DriftMonitor().check_families(one, runs[t][0]["provenance"], strict=True) == []
+        assert torch.equal(runs[1][0]["logp"], runs[t][0]["logp"])
 
 
 def test_shard_state_refuses_degrees_the_shapes_do_not_allow():

@@ -45,3 +45,7 @@ def test_audit_tensor_parallel_rollout(tmp_path):
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["configurations"]["rl_engine"]["bitwise_equal_fraction"] == 1.0
     assert rep["configurations"]["rl_engine"]["tokens"] == 15
+    # the rollout's provenance is its TP ranks' (vLLM worker processes): the grouped reduction
+    prov = rep["configurations"]["rl_engine"]["provenance"]
+    assert "det_gemm_tp" in {r["op"] for r in prov["rollout"]}, prov["rollout"]
+    assert prov["check"]["ok"] and "det_gemm_tp" not in prov["check"]["rollout_only"]

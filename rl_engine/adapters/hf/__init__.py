@@ -1,7 +1,7 @@
 """Hugging Face transformers trainer adapter (see docs/adapters/hf.md).
 
-* :func:`patch_model`: route a Llama / Qwen2 / Qwen3 model's forward (logits included) through
-  rl_engine ops, in place.
+* :func:`patch_model`: route a Llama / Qwen2 / Qwen3 or Qwen3-MoE / Mixtral / Qwen2-MoE model's
+  forward (logits included) through rl_engine ops, in place.
 * :func:`token_logprobs`: teacher-forced token log-probs through ``linear_logp`` (the reference
   path the rollout engine is compared to).
 

@@ -1,4 +1,5 @@
-"""In-place patch of a transformers Llama / Qwen2 / Qwen3 model onto rl_engine ops.
+"""In-place patch of a transformers Llama / Qwen2 / Qwen3 model, or a mixture-of-experts
+Qwen3-MoE / Mixtral / Qwen2-MoE model, onto rl_engine ops.
 
 Per module instance (the class is untouched; ``module.forward`` becomes an instance attribute,
 a callable object that holds the module it patches (never a closure over it) and carries
@@ -19,6 +20,21 @@ stays patched.
   ``position_ids``), then ``attention`` (varlen, causal; padding and packed sequences become
   ``cu_seqlens``) or, when decoding against a KV cache (``generate``), ``paged_attention`` on the
   cached keys/values, then ``o_proj``.
+* ``*TopKRouter`` (MoE gate): ``moe_router``: logits ``det_gemm(x, W.t())`` (model dtype),
+  then ``moe_topk`` (Qwen3-MoE / Qwen2-MoE: ``scoring="softmax"``, ``renormalize =
+  config.norm_topk_prob``; Mixtral: ``scoring="topk_softmax"``). It returns HF's ``(logits [T,
+  E], weights [T, k], ids [T, k])``, so ``output_router_logits`` and the load-balancing loss see
+  the (rl_engine) logits as before; the weights are fp32 (HF rounds Qwen's to the model dtype).
+* ``*SparseMoeBlock``: ``gate`` (the router above), ``moe_experts(x, ids, w13, w2)`` on the
+  experts' own ``gate_up_proj`` [E, 2I, H] (gate rows, then up) / ``down_proj`` [E, H, I]
+  parameters (no copy), then ``moe_combine(y, weights, shared=..., shared_gate=...)``: the k
+  expert rows in top-k slot order in fp32, one rounding. Qwen2-MoE's shared expert (a patched
+  ``*MLP``) and its gate logits ``shared_expert_gate(x)`` (a patched ``Linear``) join inside
+  ``moe_combine``, last. The ``*Experts`` module's own forward (not called by the patched
+  block) is patched too, for direct callers: ``moe_combine(moe_experts(...), weights)``.
+  Refused: Mixtral's ``router_jitter_noise > 0`` (random routing in training), capacity /
+  token-dropping settings, experts stored other than transformers 5's fused layout, and the
+  experts under the TP-invariant reduction (``RL_ENGINE_TP_GROUPS``).
 * ``config._attn_implementation`` is set to ``"rl_engine"`` (registered in transformers'
   ``AttentionInterface``, with the flash-attention style 2-D padding mask), so the attention
   receives the padding mask as [B, kv_len] booleans.
@@ -38,13 +54,20 @@ from typing import Any
 import torch
 
 from rl_engine import ops
+from rl_engine.adapters._moe import MOE_FAMILIES, MoESpec, moe_spec
 from rl_engine.ops.det_gemm import tp as tpm
 
 __all__ = ["is_patched", "patch_model", "rope_kwargs", "unpatch_model"]
 
 MARK = "_rl_engine_patched"
 ATTN_NAME = "rl_engine"
-SUPPORTED = ("llama", "qwen2", "qwen3")
+DENSE = ("llama", "qwen2", "qwen3")
+MOE = tuple(MOE_FAMILIES)  # qwen3_moe, mixtral, qwen2_moe
+SUPPORTED = DENSE + MOE
+# config fields of capacity-based token dropping (none of the supported families has one; a
+# config that sets one asks for numerics that depend on the whole batch)
+_CAPACITY_FIELDS = ("capacity_factor", "expert_capacity", "moe_expert_capacity_factor",
+                    "router_capacity_factor", "moe_capacity_factor")  # fmt: skip
 # the Linear layers tensor parallelism shards along K (Megatron / vLLM RowParallelLinear)
 ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
 _BLOCK = 16  # block size of the compact KV cache handed to paged_attention while decoding
@@ -88,6 +111,27 @@ def _check_config(config: Any) -> None:
         raise UnsupportedModelError("patch_model: sliding-window attention")
     if getattr(config, "pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError("patch_model: pretraining_tp > 1")
+
+
+def _moe_spec(config: Any) -> MoESpec | None:
+    """The MoE facts of ``config`` as every engine reads them (``rl_engine.adapters._moe``;
+    ``None`` for a dense model); refuses what no engine can route invariantly."""
+    mt = getattr(config, "model_type", None)
+    try:
+        spec = moe_spec(config)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"patch_model: {mt}: {exc}") from None
+    if spec is None:
+        return None
+    for field in _CAPACITY_FIELDS:
+        value = getattr(config, field, None)
+        if value is not None:
+            raise UnsupportedModelError(
+                f"patch_model: {mt} {field}={value!r}: capacity-based token dropping depends on "
+                "the whole batch (which other tokens chose the expert first), so no token's "
+                "output could be batch invariant; rl_engine routes every token (remove it)"
+            )
+    return spec
 
 
 # ------------------------------------------------------------------------------ patched forwards
@@ -221,6 +265,151 @@ class _MLPForward(_PatchedForward):
         if gate_up is None:
             gate_up = torch.cat([mod.gate_proj(x), mod.up_proj(x)], dim=-1)
         return mod.down_proj(ops.silu_and_mul(gate_up))
+
+
+def _expert_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [E, 2I, H], w2 [E, H, I])`` of a transformers-5 ``*Experts`` module: its own
+    ``gate_up_proj`` / ``down_proj`` parameters (gate rows, then up: ``chunk(2)`` gives gate
+    first), or transposed views of them where the module stores ``[E, H, 2I]`` (no copy either
+    way, so the gradients land in the parameters)."""
+    w13 = experts.gate_up_proj
+    w2 = experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    return w13, w2
+
+
+def _check_experts(experts: torch.nn.Module) -> None:
+    """Refuse an experts module whose layout or numerics ``moe_experts`` does not compute."""
+    name = type(experts).__name__
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) or not isinstance(
+        getattr(experts, "down_proj", None), torch.Tensor
+    ):
+        raise UnsupportedModelError(
+            f"patch_model: {name} without fused gate_up_proj / down_proj parameters (the "
+            "per-expert module layout of transformers < 5 is not supported)"
+        )
+    for attr, want, what in (
+        ("is_concatenated", True, "interleaved gate / up rows"),
+        ("has_gate", True, "experts without a gate projection"),
+        ("has_bias", False, "expert biases"),
+        ("_is_expert_parallel", False, "transformers' expert parallelism"),
+    ):
+        if getattr(experts, attr, want) != want:
+            raise UnsupportedModelError(f"patch_model: {name}: {what}")
+    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"patch_model: {name}: hidden_act {act!r}")
+    w13, w2 = _expert_weights(experts)
+    e, two_i, h = w13.shape
+    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise UnsupportedModelError(
+            f"patch_model: {name}: gate_up_proj {tuple(w13.shape)} / down_proj "
+            f"{tuple(w2.shape)} are not [E, 2I, H] / [E, H, I]"
+        )
+
+
+def _layer_index(name: str) -> int | None:
+    """``i`` of a module named ``...layers.<i>.mlp``."""
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
+
+
+def _no_tp_groups(where: str) -> None:
+    if tpm.groups_for(1) is not None:
+        raise UnsupportedModelError(
+            f"{where}: RL_ENGINE_TP_GROUPS asks for the TP-invariant K reduction, which the "
+            "expert down projections (moe_experts) do not compute yet"
+        )
+
+
+class _RouterForward(_PatchedForward):
+    """``*TopKRouter``: ``moe_router`` (``det_gemm`` logits in the model dtype, then
+    ``moe_topk``). Returns HF's ``(logits [T, E], weights [T, k] fp32, ids [T, k] int64)``."""
+
+    def __init__(self, module: torch.nn.Module, spec: MoESpec) -> None:
+        super().__init__(module)
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise UnsupportedModelError(
+                f"patch_model: {type(module).__name__} without [E, H] weight"
+            )
+        if getattr(module, "bias", None) is not None:
+            raise UnsupportedModelError(f"patch_model: {type(module).__name__} with a bias")
+        if int(getattr(module, "top_k", spec.top_k)) != spec.top_k or weight.shape[0] != (
+            spec.n_experts
+        ):
+            raise UnsupportedModelError(
+                f"patch_model: {type(module).__name__} (top-k {module.top_k}, weight "
+                f"{tuple(weight.shape)}) disagrees with the config ({spec.top_k} of "
+                f"{spec.n_experts} experts)"
+            )
+        self.top_k = spec.top_k
+        self.scoring = spec.scoring
+        self.renormalize = spec.renormalize
+
+    def run(self, hidden_states: torch.Tensor):
+        w = self.module.weight
+        x = hidden_states.reshape(-1, w.shape[1])
+        weights, ids, logits = ops.moe_router(
+            x, w, self.top_k, scoring=self.scoring, renormalize=self.renormalize
+        )
+        return logits, weights, ids
+
+
+class _ExpertsForward(_PatchedForward):
+    """``*Experts`` called directly (the patched sparse block does not call it):
+    ``moe_combine(moe_experts(x, ids, w13, w2), weights)``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        _check_experts(module)
+
+    def run(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        _no_tp_groups("moe_experts")
+        w13, w2 = _expert_weights(self.module)
+        y = ops.moe_experts(hidden_states, top_k_index, w13, w2)
+        return ops.moe_combine(y, top_k_weights.float())
+
+
+class _SparseMoeForward(_PatchedForward):
+    """``*SparseMoeBlock``: router, ``moe_experts``, shared expert, ``moe_combine``.
+
+    ``gate`` is called as a module (its patched forward is :class:`_RouterForward`), so HF's
+    ``router_logits`` recorder (a forward hook on the router) still sees the logits. The shared
+    expert (Qwen2-MoE) runs as its patched ``*MLP``, its gate logits through the patched
+    ``shared_expert_gate`` Linear; both join inside ``moe_combine``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        _check_experts(module.experts)
+        if getattr(module, "jitter_noise", 0.0):
+            raise UnsupportedModelError(
+                f"patch_model: {type(module).__name__} jitter_noise={module.jitter_noise} "
+                "(random routing in training mode)"
+            )
+        self.shared = getattr(module, "shared_expert", None) is not None
+        self.shared_gate = getattr(module, "shared_expert_gate", None) is not None
+        if self.shared_gate and not self.shared:
+            raise UnsupportedModelError("patch_model: a shared-expert gate without a shared expert")
+
+    def run(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        _no_tp_groups("moe_experts")
+        mod = self.module
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, ids = mod.gate(x)
+        w13, w2 = _expert_weights(mod.experts)
+        y = ops.moe_experts(x, ids, w13, w2)
+        shared = mod.shared_expert(x) if self.shared else None
+        gate = mod.shared_expert_gate(x) if self.shared_gate else None
+        out = ops.moe_combine(y, weights, shared=shared, shared_gate=gate)
+        return out.view(shape)
 
 
 def _cu_from_lens(lens: torch.Tensor) -> torch.Tensor:
@@ -400,14 +589,17 @@ def _register_attention_implementation() -> None:
 def patch_model(
     model: torch.nn.Module, *, strict: bool = True, fuse_projections: bool = True
 ) -> dict[str, list[str]]:
-    """Route a transformers Llama / Qwen2 / Qwen3 model's forward through rl_engine ops, in place.
+    """Route a transformers Llama / Qwen2 / Qwen3 (dense) or Qwen3-MoE / Mixtral / Qwen2-MoE
+    (mixture of experts) model's forward through rl_engine ops, in place.
 
     Idempotent: a second call patches nothing. The original ``forward`` of every patched module
     is kept in ``module.forward.__wrapped__``; :func:`unpatch_model` restores them.
 
     Args:
-        model: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (or the bare
-            decoder model).
+        model: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
+            ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` (or the
+            bare decoder model). Dense layers of an MoE model (``mlp_only_layers``,
+            ``decoder_sparse_step``) are ``*MLP`` modules, patched as in a dense model.
         strict: refuse a model with a numerically relevant module the adapter does not route
             (any other module type with parameters).
         fuse_projections: q/k/v and gate/up as one GEMM each (``det_gemm_cat``, Megatron's
@@ -425,14 +617,23 @@ def patch_model(
     config = model.config
     _check_config(config)
     rope_kw = rope_kwargs(config.to_dict())
+    spec = _moe_spec(config)
     _register_attention_implementation()
     report: dict[str, list[str]] = {"patched": [], "already": [], "left_alone": []}
     unroutable: list[str] = []
     handled_children: set[int] = set()
+    sparse: list[int | None] = []
     for name, mod in model.named_modules():
         cls = type(mod).__name__
         make: Callable[[torch.nn.Module], _PatchedForward] | None = None
-        if cls.endswith("Attention") and hasattr(mod, "q_proj"):
+        if cls.endswith("SparseMoeBlock") and hasattr(mod, "experts") and hasattr(mod, "gate"):
+            make = _SparseMoeForward
+            sparse.append(_layer_index(name))
+        elif cls.endswith("TopKRouter") and spec is not None:
+            make = functools.partial(_RouterForward, spec=spec)
+        elif cls.endswith("Experts") and hasattr(mod, "gate_up_proj"):
+            make = _ExpertsForward
+        elif cls.endswith("Attention") and hasattr(mod, "q_proj"):
             make = functools.partial(_AttentionForward, rope_kw=rope_kw, fuse=fuse_projections)
         elif cls.endswith("MLP") and hasattr(mod, "gate_proj"):
             make = functools.partial(_MLPForward, fuse=fuse_projections)
@@ -454,6 +655,12 @@ def patch_model(
             report["already"].append(name)
     if unroutable and strict:
         raise UnsupportedModelError(f"patch_model: cannot route {', '.join(unroutable)}")
+    want = list(spec.sparse_layers) if spec is not None else []
+    if sparse != want:
+        raise UnsupportedModelError(
+            f"patch_model: MoE blocks in layers {sparse}, the config says {want} "
+            "(mlp_only_layers / decoder_sparse_step)"
+        )
     if getattr(config, "_attn_implementation", None) != ATTN_NAME:
         model._rl_engine_attn_implementation = config._attn_implementation
         config._attn_implementation = ATTN_NAME

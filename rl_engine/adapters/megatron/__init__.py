@@ -6,7 +6,8 @@
 * :func:`token_logprobs`: teacher-forced token log-probs through ``linear_logp``.
 * :func:`stock_from_pretrained`: the stock local-spec model from the same checkpoint (baseline).
 * :func:`from_pretrained`: a ``GPTModel`` with the rl_engine spec from a Hugging Face Llama /
-  Qwen2 / Qwen3 checkpoint.
+  Qwen2 / Qwen3 checkpoint, or a Qwen3-MoE / Mixtral / Qwen2-MoE one (:class:`RLMoELayer`,
+  expert parallelism).
 
 Import explicitly (``import rl_engine.adapters.megatron``); needs ``megatron-core``.
 """
@@ -19,13 +20,20 @@ from rl_engine.adapters.megatron.loader import (
     stock_from_pretrained,
 )
 from rl_engine.adapters.megatron.logprobs import token_logprobs
-from rl_engine.adapters.megatron.modules import RopeSettings, UnsupportedNumericsError
+from rl_engine.adapters.megatron.modules import (
+    RopeSettings,
+    UnsupportedModelError,
+    UnsupportedNumericsError,
+)
+from rl_engine.adapters.megatron.moe import RLMoELayer
 from rl_engine.adapters.megatron.replace import ReplaceReport, replace_modules
 from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec, get_gpt_layer_rl_spec
 
 __all__ = [
+    "RLMoELayer",
     "ReplaceReport",
     "RopeSettings",
+    "UnsupportedModelError",
     "UnsupportedNumericsError",
     "from_pretrained",
     "get_gpt_block_rl_spec",

@@ -10,6 +10,10 @@ megatron-core assumes CUDA in a few places even with the local (non-Transformer-
   shim replaces it (and the name imported into ``fused_softmax``) with a CPU version.
 * The stock ``DotProductAttention`` forks the CUDA RNG tracker around its dropout (even at p = 0
   in eval mode); the shim hands it a tracker whose ``fork()`` does nothing.
+* Without Transformer Engine, ``megatron.core.transformer.moe.moe_utils`` never defines
+  ``te_general_gemm`` (its import sits in a ``try`` with no fallback), so the stock
+  ``TopKRouter``'s gating GEMM raises ``NameError``; the shim defines it as ``None`` (megatron's
+  own "no TE" branch: ``torch.mm``). Only the stock MoE model (the tests' control) needs it.
 * Model-parallel state needs a process group: a one-process ``gloo`` group and
   ``initialize_model_parallel(1, 1)``.
 
@@ -56,6 +60,11 @@ def install() -> None:
         _saved["mask_utils"] = mutils.get_default_causal_mask
         _saved["mask_softmax"] = fused_softmax.get_default_causal_mask
         _saved["rng_tracker"] = tp.get_cuda_rng_tracker
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _saved["te_general_gemm"] = True
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
         mutils.get_default_causal_mask = _cpu_causal_mask
@@ -80,6 +89,10 @@ def uninstall() -> None:
     import megatron.core.tensor_parallel as tp
     import megatron.core.transformer.utils as mutils
 
+    if _saved.pop("te_general_gemm", False):
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        del moe_utils.te_general_gemm
     if _saved:
         tp.get_cuda_rng_tracker = _saved.pop("rng_tracker")
         torch.cuda.current_device = _saved.pop("current_device")  # type: ignore[assignment]

@@ -12,6 +12,7 @@ import torch
 from rl_engine.adapters.megatron.modules import (
     RLColumnParallelLinear,
     RopeSettings,
+    UnsupportedModelError,
     UnsupportedNumericsError,
 )
 from rl_engine.adapters.megatron.replace import _swap_class
@@ -20,14 +21,49 @@ from rl_engine.adapters.megatron.spec import get_gpt_block_rl_spec
 __all__ = [
     "from_pretrained",
     "hf_config_to_megatron",
+    "ep_shard_state",
     "hf_to_megatron_state",
     "megatron_to_hf_state",
+    "moe_layers",
     "rope_from_hf_config",
     "shard_state",
     "stock_from_pretrained",
 ]
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", *MOE)
+
+
+def moe_layers(cfg: dict[str, Any]) -> list[bool]:
+    """Per decoder layer: whether it is a mixture-of-experts layer (``adapters._moe.moe_spec``:
+    every Mixtral layer; Qwen2/3-MoE layer ``i`` unless in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0``)."""
+    spec = _moe_spec(cfg)
+    sparse = set(spec.sparse_layers) if spec else set()
+    return [i in sparse for i in range(cfg["num_hidden_layers"])]
+
+
+def _moe_spec(cfg: dict[str, Any]) -> Any:
+    from rl_engine.adapters._moe import moe_spec
+
+    try:
+        return moe_spec(cfg)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UnsupportedNumericsError(f"from_pretrained: {exc}") from None
+
+
+def _num_experts(cfg: dict[str, Any]) -> int:
+    spec = _moe_spec(cfg)
+    if spec is None:
+        raise UnsupportedNumericsError(f"from_pretrained: {cfg.get('model_type')!r} is not MoE")
+    return spec.n_experts
+
+
+def moe_routing(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``moe_topk`` scoring of an MoE family (what vLLM and the HF adapter run; one reading for
+    every engine, ``adapters._moe``): Qwen3-MoE / Qwen2-MoE: softmax over all experts, top-k,
+    renormalised when ``norm_topk_prob``; Mixtral: top-k of the logits, softmax over the k."""
+    return _moe_spec(cfg).topk_kwargs
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -56,12 +92,12 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
 
     arch = cfg.get("model_type")
     if arch not in SUPPORTED:
-        raise UnsupportedNumericsError(
-            f"from_pretrained: model_type {arch!r}; supported {SUPPORTED}"
-        )
+        raise UnsupportedModelError(f"from_pretrained: model_type {arch!r}; supported {SUPPORTED}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedNumericsError(f"from_pretrained: hidden_act {cfg['hidden_act']!r}")
-    if cfg.get("use_sliding_window", False):
+    if cfg.get("use_sliding_window", False) or (
+        arch == "mixtral" and cfg.get("sliding_window") is not None
+    ):
         raise UnsupportedNumericsError("from_pretrained: sliding-window attention")
     if cfg.get("mlp_bias", False):
         raise UnsupportedNumericsError("from_pretrained: MLP bias")
@@ -81,8 +117,8 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_layernorm=arch == "qwen3",
+        add_qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -97,6 +133,20 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if arch in MOE:
+        spec = _moe_spec(cfg)
+        shared = spec.shared_intermediate
+        kw.update(
+            num_moe_experts=spec.n_experts,
+            moe_router_topk=spec.top_k,
+            moe_ffn_hidden_size=spec.intermediate,
+            moe_shared_expert_intermediate_size=shared or None,
+            moe_shared_expert_gate=bool(shared),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # the stock router's nearest equivalent (rl_engine's layer takes moe_routing)
+            moe_router_pre_softmax=spec.scoring == "softmax" and not spec.renormalize,
+        )
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -115,11 +165,12 @@ def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def hf_to_megatron_state(
     hf: dict[str, torch.Tensor], cfg: dict[str, Any], tied: bool
 ) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face Llama / Qwen state dict to a TP = 1 ``GPTModel`` state dict.
+    """Map a Hugging Face Llama / Qwen / MoE state dict to a TP = 1, EP = 1 ``GPTModel`` state
+    dict.
 
     QKV: Megatron stores, per query group g, the rows ``[q heads of g; k_g; v_g]`` (so that a
     TP shard holds whole groups); the same interleave applies to the QKV bias. FC1 is
-    ``[gate; up]``.
+    ``[gate; up]``. MoE layers: ``RLMoELayer``'s stacked experts (:func:`_hf_moe_layer`).
     """
     nq = cfg["num_attention_heads"]
     ng = cfg.get("num_key_value_heads") or nq
@@ -135,6 +186,7 @@ def hf_to_megatron_state(
         v = v.reshape(ng, d, *rest)
         return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest).contiguous()
 
+    sparse = moe_layers(cfg)
     out["embedding.word_embeddings.weight"] = hf[pre + "embed_tokens.weight"]
     out["decoder.final_layernorm.weight"] = hf[pre + "norm.weight"]
     if not tied:
@@ -156,10 +208,79 @@ def hf_to_megatron_state(
             out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        if sparse[i]:
+            out.update(_hf_moe_layer(hf, cfg, h, m + "mlp."))
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0
         )
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+# per-expert Hugging Face names (the layout checkpoints are saved in): (gate, up, down)
+_EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _hf_moe_layer(
+    hf: dict[str, torch.Tensor], cfg: dict[str, Any], h: str, m: str
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's Megatron tensors (``RLMoELayer`` names, all experts: EP = 1) from a Hugging
+    Face layer prefix ``h``: the per-expert layout (``experts.{e}.gate_proj`` / ``w1`` ...,
+    under ``mlp.`` or Mixtral's ``block_sparse_moe.``) or transformers 5's fused one
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
+    arch = cfg["model_type"]
+    n = _num_experts(cfg)
+    moe = h + ("block_sparse_moe." if h + "block_sparse_moe.gate.weight" in hf else "mlp.")
+    out = {m + "router.weight": hf[moe + "gate.weight"]}
+    if moe + "experts.gate_up_proj" in hf:
+        w13, w2 = hf[moe + "experts.gate_up_proj"], hf[moe + "experts.down_proj"]
+    else:
+        g, u, d = _EXPERT_NAMES[arch]
+        ex = moe + "experts."
+        w13 = torch.stack(
+            [torch.cat([hf[f"{ex}{e}.{g}.weight"], hf[f"{ex}{e}.{u}.weight"]]) for e in range(n)]
+        )
+        w2 = torch.stack([hf[f"{ex}{e}.{d}.weight"] for e in range(n)])
+    if w13.shape[0] != n or w2.shape[0] != n:
+        raise RuntimeError(f"from_pretrained: {moe}experts: {w13.shape[0]} experts, not {n}")
+    out[m + "experts.linear_fc1.weight"] = w13.contiguous()
+    out[m + "experts.linear_fc2.weight"] = w2.contiguous()
+    if moe + "shared_expert.gate_proj.weight" in hf:
+        se = moe + "shared_expert."
+        out[m + "shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[se + "gate_proj.weight"], hf[se + "up_proj.weight"]], dim=0
+        )
+        out[m + "shared_experts.linear_fc2.weight"] = hf[se + "down_proj.weight"]
+        if moe + "shared_expert_gate.weight" in hf:
+            out[m + "shared_experts.gate_weight"] = hf[moe + "shared_expert_gate.weight"]
+    return out
+
+
+def ep_shard_state(state: dict[str, torch.Tensor], ep: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of an EP = 1 state dict at expert-parallel degree ``ep``: the stacked
+    expert weights (``experts.linear_fc1`` / ``linear_fc2``, [E, ...]) cut into ``ep``
+    contiguous blocks of whole experts; everything else replicated. Exact slices.
+
+    Raises ``UnsupportedNumericsError`` when ``ep`` does not divide the number of experts."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(("experts.linear_fc1.weight", "experts.linear_fc2.weight")) and (
+            ".shared_experts." not in name
+        ):
+            if t.shape[0] % ep:
+                raise UnsupportedNumericsError(
+                    f"from_pretrained: {t.shape[0]} experts do not divide over "
+                    f"expert_model_parallel_size={ep} ({name})"
+                )
+            n = t.shape[0] // ep
+            out[name] = t[rank * n : (rank + 1) * n].contiguous()
+        else:
+            out[name] = t
     return out
 
 
@@ -252,6 +373,7 @@ def megatron_to_hf_state(
     per = nq // ng
     ffn = cfg["intermediate_size"]
     pre = "model."
+    sparse = moe_layers(cfg)
 
     def get(name: str) -> torch.Tensor:
         if name not in state:
@@ -287,10 +409,36 @@ def megatron_to_hf_state(
             out[a + "k_norm.weight"] = get(m + "self_attention.k_layernorm.weight")
         out[a + "o_proj.weight"] = get(m + "self_attention.linear_proj.weight")
         out[h + "post_attention_layernorm.weight"] = get(m + "pre_mlp_layernorm.weight")
+        if sparse[i]:
+            out.update(_megatron_moe_to_hf(get, cfg, h, m + "mlp."))
+            continue
         fc1 = get(m + "mlp.linear_fc1.weight")
         out[h + "mlp.gate_proj.weight"] = fc1[:ffn].contiguous()
         out[h + "mlp.up_proj.weight"] = fc1[ffn:].contiguous()
         out[h + "mlp.down_proj.weight"] = get(m + "mlp.linear_fc2.weight")
+    return out
+
+
+def _megatron_moe_to_hf(get, cfg: dict[str, Any], h: str, m: str) -> dict[str, torch.Tensor]:
+    """One MoE layer back to the per-expert Hugging Face names (what checkpoints and vLLM use)."""
+    arch = cfg["model_type"]
+    moe = h + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
+    g, u, d = _EXPERT_NAMES[arch]
+    w13, w2 = get(m + "experts.linear_fc1.weight"), get(m + "experts.linear_fc2.weight")
+    i = w13.shape[1] // 2
+    out = {moe + "gate.weight": get(m + "router.weight")}
+    for e in range(w13.shape[0]):
+        out[f"{moe}experts.{e}.{g}.weight"] = w13[e, :i].contiguous()
+        out[f"{moe}experts.{e}.{u}.weight"] = w13[e, i:].contiguous()
+        out[f"{moe}experts.{e}.{d}.weight"] = w2[e].contiguous()
+    if arch == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
+        fc1 = get(m + "shared_experts.linear_fc1.weight")
+        s = fc1.shape[0] // 2
+        se = moe + "shared_expert."
+        out[se + "gate_proj.weight"] = fc1[:s].contiguous()
+        out[se + "up_proj.weight"] = fc1[s:].contiguous()
+        out[se + "down_proj.weight"] = get(m + "shared_experts.linear_fc2.weight")
+        out[moe + "shared_expert_gate.weight"] = get(m + "shared_experts.gate_weight")
     return out
 
 
@@ -305,8 +453,12 @@ def from_pretrained(
 
     Supports Llama, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm), tied or untied
     embeddings, PP = 1, any TP degree Megatron accepts for the shapes (each rank loads its
-    shard, :func:`shard_state`; the TP-invariant reductions need a degree in 1, 2, 4, 8). Megatron's model-parallel
-    state must be initialised (``parallel_state.initialize_model_parallel``).
+    shard, :func:`shard_state`; the TP-invariant reductions need a degree in 1, 2, 4, 8).
+    Mixture of experts: Qwen3-MoE, Mixtral and Qwen2-MoE (sigmoid-gated shared expert) with
+    :class:`~rl_engine.adapters.megatron.moe.RLMoELayer` (TP = 1; expert parallelism from
+    Megatron's ``expert_model_parallel_size``, each rank loading its experts,
+    :func:`ep_shard_state`). Megatron's model-parallel state must be initialised
+    (``parallel_state.initialize_model_parallel``).
 
     Args:
         path: folder with ``config.json`` and ``model.safetensors`` (or an index + shards).
@@ -330,15 +482,39 @@ def from_pretrained(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     path = os.fspath(path)
     cfg = _read_config(path)
     dtype = _config_dtype(cfg, dtype)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    if cfg.get("model_type") not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"from_pretrained: model_type {cfg.get('model_type')!r}; supported {SUPPORTED}"
+        )
+    sparse = moe_layers(cfg)
+    if ep > 1 and not any(sparse):
+        raise UnsupportedNumericsError(
+            f"from_pretrained: expert_model_parallel_size={ep} for a model without MoE layers"
+        )
+    if any(sparse) and _num_experts(cfg) % ep:
+        raise UnsupportedNumericsError(
+            f"from_pretrained: {_num_experts(cfg)} experts do not divide over "
+            f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
+        )
     check_tp_shapes(cfg, tp)
     config_overrides.setdefault("tensor_model_parallel_size", tp)
+    if any(sparse):
+        config_overrides.setdefault("expert_model_parallel_size", ep)
     tcfg = hf_config_to_megatron(cfg, dtype, **config_overrides)
     rope = rope_from_hf_config(cfg)
-    spec = get_gpt_block_rl_spec(tcfg.num_layers, qk_layernorm=tcfg.qk_layernorm, rope=rope)
+    spec = get_gpt_block_rl_spec(
+        tcfg.num_layers,
+        qk_layernorm=tcfg.qk_layernorm,
+        rope=rope,
+        moe=moe_routing(cfg) if any(sparse) else None,
+        moe_layers=sparse,
+    )
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
@@ -355,6 +531,8 @@ def from_pretrained(
     state = hf_to_megatron_state(hf, cfg, tied)
     if tp > 1:
         state = shard_state(state, cfg, tp, rank)
+    if ep > 1:
+        state = ep_shard_state(state, ep, ep_rank)
     own = model.state_dict()
     missing = [k for k in own if k not in state and not k.endswith("_extra_state")]
     unexpected = [k for k in state if k not in own]
@@ -375,11 +553,31 @@ def from_pretrained(
     return model
 
 
+def _stock_moe_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``RLMoELayer``'s stacked experts as megatron's ``SequentialMLP`` tensors
+    (``experts.local_experts.{e}.linear_fc1.weight`` ...); other names are the same."""
+    out = {}
+    for name, t in state.items():
+        for fc in ("linear_fc1", "linear_fc2"):
+            suffix = f".mlp.experts.{fc}.weight"
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                for e in range(t.shape[0]):
+                    out[f"{base}.mlp.experts.local_experts.{e}.{fc}.weight"] = t[e]
+                break
+        else:
+            out[name] = t
+    return out
+
+
 def stock_from_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None
 ) -> Any:
     """The *stock* megatron-core ``GPTModel`` (local spec, Megatron's own RoPE, no rl_engine ops)
     with the weights of a Hugging Face checkpoint: the "before" picture of tests and audits.
+    MoE checkpoints get megatron's ``MoELayer`` (``TopKRouter``, allgather dispatcher,
+    ``SequentialMLP``; no auxiliary loss; its nearest router: top-k then softmax, or softmax
+    then top-k when the family does not renormalise).
 
     Megatron's model-parallel state must be initialised. Returns the model in eval mode; call it
     as ``model(input_ids, None, None)`` for logits [B, S, V] in the model dtype.
@@ -393,16 +591,27 @@ def stock_from_pretrained(
     mcfg = hf_config_to_megatron(cfg, dtype)
     rope = rope_from_hf_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
+    sparse = moe_layers(cfg)
+    if any(sparse) and not all(sparse):
+        raise UnsupportedNumericsError(
+            "stock_from_pretrained: a mix of dense and MoE layers (the stock local spec has one "
+            "MLP kind for every layer)"
+        )
     model = GPTModel(
         mcfg,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.qk_layernorm),
+        get_gpt_layer_local_spec(
+            num_experts=mcfg.num_moe_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=mcfg.qk_layernorm,
+        ),
         vocab_size=cfg["vocab_size"],
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=int(rope.theta),
     ).to(dtype)
-    state = hf_to_megatron_state(dict(_tensors(path)), cfg, tied)
+    state = _stock_moe_names(hf_to_megatron_state(dict(_tensors(path)), cfg, tied))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or not all(k.endswith("_extra_state") for k in missing):
         raise RuntimeError(f"stock_from_pretrained: missing {missing}, unexpected {unexpected}")

@@ -60,6 +60,11 @@ class UnsupportedNumericsError(NotImplementedError):
     """A Megatron feature whose numerics the rl_engine spec does not reproduce."""
 
 
+class UnsupportedModelError(UnsupportedNumericsError):
+    """A checkpoint's model family the Megatron loader does not build (the message names the
+    supported ones)."""
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``det_gemm`` over the last dim of ``x`` [..., K] with an ``nn.Linear``-layout weight [N, K].
 

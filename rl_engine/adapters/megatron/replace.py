@@ -194,6 +194,23 @@ def replace_modules(
 
     norm_types = (torch.nn.RMSNorm,)
     named = list(model.named_modules())
+    # mixture of experts: megatron's MoELayer (router, dispatcher, experts) is not converted in
+    # place (build the model with from_pretrained / the rl_engine spec: RLMoELayer); its
+    # submodules are left as they are, so that a half-converted MoE layer cannot arise
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    from rl_engine.adapters.megatron.moe import RLMoELayer
+
+    moe = [n for n, m in named if isinstance(m, BaseMoELayer | RLMoELayer)]
+    for n, m in named:
+        if isinstance(m, RLMoELayer):
+            report.already.append(n)
+        elif n in moe:
+            report.not_replaced.append(
+                (n, f"{type(m).__name__}: megatron's MoE layer is not replaced in place; build "
+                    "the model with from_pretrained or the rl_engine spec (RLMoELayer)")
+            )  # fmt: skip
+    named = [(n, m) for n, m in named if not any(n == p or n.startswith(p + ".") for p in moe)]
     for name, mod in named:
         if getattr(mod, MARK, False) or isinstance(
             mod, (RLRMSNorm, RLCoreAttention, RLColumnParallelLinear, RLRowParallelLinear)
@@ -275,7 +292,7 @@ def replace_modules(
     # Anything else that holds parameters was skipped: say so.
     covered = set(report.replaced) | set(report.already) | set(report.left_alone)
     flagged = {n for n, _ in report.not_replaced}
-    for name, mod in model.named_modules():
+    for name, mod in named:
         if name in covered or name in flagged or isinstance(mod, RLRMSNorm | RLCoreAttention):
             continue
         if any(True for _ in mod.parameters(recurse=False)):

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.moe_experts import reference
 from rl_engine.registry import RLEngineError, resolve_provider
 
@@ -117,6 +123,9 @@ register_op(
         {"backward": reference.moe_experts_backward},
     ),
 )
+
+# The Triton provider (grouped GEMMs; cuda, cpu through the Triton interpreter).
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -1,0 +1,331 @@
+"""Mixture-of-experts layer of the rl_engine Megatron spec (stands in for megatron's ``MoELayer``).
+
+:class:`RLMoELayer` is the ``mlp`` submodule of an MoE transformer layer. It holds the router
+weight and the *stacked* expert weights as parameters and computes, per token row::
+
+    weights, ids, _ = moe_router(x, router.weight, k, scoring=..., renormalize=...)
+    y   = moe_experts(x, ids, experts.linear_fc1.weight, experts.linear_fc2.weight)  # [T, k, H]
+    out = moe_combine(y, weights, shared=shared_expert(x), shared_gate=x @ gate_weight.T)
+
+with every GEMM a ``det_gemm`` (the ops' numerics: DESIGN.md section 1, "Mixture of experts").
+Megatron's ``TopKRouter``, token dispatchers and ``SequentialMLP`` / ``GroupedMLP`` are not
+used: their permutation, capacity and grouped-GEMM paths change bits with the batch.
+
+Parameters (names follow megatron where practical)::
+
+    router.weight                       [E, H]
+    experts.linear_fc1.weight           [E_local, 2 I, H]   gate rows, then up rows (w13)
+    experts.linear_fc2.weight           [E_local, H, I]     (w2)
+    shared_experts.linear_fc1.weight    [2 I_s, H]          [gate; up] (Qwen2-MoE)
+    shared_experts.linear_fc2.weight    [H, I_s]
+    shared_experts.gate_weight          [1, H]              sigmoid gate logits (Qwen2-MoE)
+
+Expert parallelism (``expert_model_parallel_size`` = EP > 1; the EP ranks are data-parallel
+ranks with their own tokens, as in megatron): each rank holds experts
+``[rank * E / EP, (rank + 1) * E / EP)``. The ranks' token rows, expanded to one row per
+(token, slot), are all-gathered (real rows only, in rank order: the concatenated batch); each
+rank computes the slots of its local experts (``expert_map``; the others are ``+0`` rows); the
+per-slot outputs are summed over the EP group (one value and zeros per element: exact in any
+order) and each rank keeps its own rows; the combine is local. Backward mirrors it: the slot
+rows' input gradients are summed over the group (exact, same argument), then each token's
+slots are added in slot order in fp32 with one rounding — the ``moe_experts`` op's own rule —
+so log-probs, input gradients and every expert's weight gradient equal EP = 1's bitwise (the
+expert's rows are the concatenated batch's, in the same order). The expert weights carry
+``allreduce = False`` (megatron's mark for expert parameters: their gradients are reduced
+over the expert-data-parallel group, not the data-parallel one).
+
+Refused with a reason (at build time): capacity factors / token dropping / padding to capacity
+(:class:`~rl_engine.ops.moe_experts.TokenDroppingError`), sigmoid scoring, expert bias, group-
+limited routing, top-k scaling, router jitter, aux / z losses, a router dtype other than the
+model's, latent projections, tensor parallelism (TP > 1) and expert tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from rl_engine import ops
+from rl_engine.adapters.megatron.modules import UnsupportedNumericsError, _init_device
+from rl_engine.ops.moe_experts import TokenDroppingError, refuse_token_dropping
+
+__all__ = ["RLMoELayer", "moe_scoring_from_config"]
+
+SCORINGS = ("softmax", "topk_softmax")
+
+
+def _refuse(cond: bool, what: str) -> None:
+    if cond:
+        raise UnsupportedNumericsError(f"rl_engine Megatron MoE layer: {what} is not supported")
+
+
+def moe_scoring_from_config(config: Any) -> tuple[str, bool]:
+    """``(scoring, renormalize)`` of ``moe_topk`` equivalent to a megatron config's softmax
+    router: ``moe_router_pre_softmax`` -> softmax over all experts, then top-k, not
+    renormalised; otherwise top-k of the logits, softmax over the k (megatron's default)."""
+    if getattr(config, "moe_router_pre_softmax", False):
+        return "softmax", False
+    return "topk_softmax", False
+
+
+def _check_config(config: Any) -> None:
+    _refuse(not getattr(config, "num_moe_experts", None), "a config without num_moe_experts")
+    if config.moe_pad_expert_input_to_capacity or getattr(config, "moe_token_dropping", False):
+        raise TokenDroppingError(
+            "moe_pad_expert_input_to_capacity / moe_token_dropping: padding experts to a "
+            "capacity and dropping tokens depend on the whole batch; rl_engine routes every token"
+        )
+    refuse_token_dropping("moe_expert_capacity_factor", config.moe_expert_capacity_factor)
+    _refuse(config.moe_router_score_function != "softmax",
+            f"moe_router_score_function={config.moe_router_score_function!r}")  # fmt: skip
+    _refuse(bool(config.moe_router_enable_expert_bias), "moe_router_enable_expert_bias")
+    _refuse(bool(config.moe_router_num_groups or config.moe_router_group_topk),
+            "group-limited routing (moe_router_num_groups / moe_router_group_topk)")  # fmt: skip
+    _refuse(config.moe_router_topk_limited_devices is not None, "moe_router_topk_limited_devices")
+    _refuse(config.moe_router_topk_scaling_factor is not None, "moe_router_topk_scaling_factor")
+    _refuse(config.moe_input_jitter_eps is not None, "router input jitter (moe_input_jitter_eps)")
+    _refuse(bool(config.moe_router_force_load_balancing), "moe_router_force_load_balancing")
+    lb = config.moe_router_load_balancing_type
+    _refuse(lb != "none", f"moe_router_load_balancing_type={lb!r} (auxiliary losses are not "
+            "computed; set it to 'none')")  # fmt: skip
+    _refuse(bool(config.moe_z_loss_coeff), "the router z-loss (moe_z_loss_coeff)")
+    _refuse(config.moe_router_dtype is not None,
+            f"moe_router_dtype={config.moe_router_dtype!r} (the router logits are computed in "
+            "the model dtype, as the rollout's gate computes them)")  # fmt: skip
+    _refuse(bool(getattr(config, "moe_latent_size", None)), "MoE latent projections")
+    _refuse(bool(getattr(config, "moe_apply_probs_on_input", False)), "moe_apply_probs_on_input")
+    _refuse(not config.gated_linear_unit, "non-gated experts")
+    _refuse(config.activation_func is not torch.nn.functional.silu, "an activation but SiLU")
+    _refuse(bool(config.add_bias_linear), "expert biases")
+    _refuse(int(config.tensor_model_parallel_size or 1) > 1,
+            "tensor parallelism (TP > 1) with MoE layers")  # fmt: skip
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    _refuse(etp is not None and int(etp) > 1, "expert tensor parallelism")
+
+
+def _ep_group_size_rank() -> tuple[Any, int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 1, 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return None, 1, 0
+    group = parallel_state.get_expert_model_parallel_group()
+    return group, ep, parallel_state.get_expert_model_parallel_rank()
+
+
+class _Weight(torch.nn.Module):
+    """A bare parameter holder (so the state dict reads ``<name>.weight``)."""
+
+    def __init__(self, shape: tuple[int, ...], config: Any, expert: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.empty(shape, dtype=config.params_dtype, device=_init_device(config))
+        )
+        if config.perform_initialization:
+            torch.nn.init.normal_(self.weight, std=float(getattr(config, "init_method_std", 0.02)))
+        if expert:
+            self.weight.allreduce = False  # megatron's mark of expert parameters
+
+
+class RLSharedExpert(torch.nn.Module):
+    """Shared expert ``fc2(silu_and_mul(fc1(x)))`` (fc1 rows ``[gate; up]``), with an optional
+    sigmoid gate whose logits ``det_gemm(x, gate_weight.t())`` join ``moe_combine``."""
+
+    def __init__(self, config: Any, size: int, gate: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.linear_fc1 = _Weight((2 * size, h), config)
+        self.linear_fc2 = _Weight((h, size), config)
+        if gate:
+            self.gate_weight = torch.nn.Parameter(
+                torch.empty((1, h), dtype=config.params_dtype, device=_init_device(config))
+            )
+            if config.perform_initialization:
+                torch.nn.init.normal_(self.gate_weight, std=0.02)
+        else:
+            self.gate_weight = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (shared output [T, H], gate logits [T, 1] or None)."""
+        a = ops.silu_and_mul(ops.det_gemm(x, self.linear_fc1.weight.t()))
+        out = ops.det_gemm(a, self.linear_fc2.weight.t())
+        gate = None if self.gate_weight is None else ops.det_gemm(x, self.gate_weight.t())
+        return out, gate
+
+
+class RLMoELayer(MegatronModule):
+    """Megatron MoE layer on rl_engine ops (module docstring).
+
+    Args:
+        config: the megatron ``TransformerConfig`` (``num_moe_experts``, ``moe_router_topk``,
+            ``moe_ffn_hidden_size``, ``moe_shared_expert_intermediate_size``,
+            ``moe_shared_expert_gate``, ``expert_model_parallel_size``).
+        submodules: unused (the spec's ``MoESubmodules`` may be passed; megatron's router /
+            experts classes are not built).
+        layer_number: set by the transformer layer.
+        pg_collection: unused (the expert-parallel group comes from ``parallel_state``).
+        scoring: ``moe_topk`` scoring (``"softmax"`` or ``"topk_softmax"``); ``None``: from the
+            config (:func:`moe_scoring_from_config`).
+        renormalize: ``moe_topk``'s renormalisation of the top-k softmax probabilities (with
+            ``scoring="softmax"``: Qwen3-MoE ``norm_topk_prob``); ``None``: from the config.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: Any = None,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
+        scoring: str | None = None,
+        renormalize: bool | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        _check_config(config)
+        default = moe_scoring_from_config(config)
+        self.scoring = default[0] if scoring is None else scoring
+        self.renormalize = default[1] if renormalize is None else bool(renormalize)
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"RLMoELayer: scoring {self.scoring!r}; expected one of {SCORINGS}")
+        self.layer_number = layer_number
+        self.num_experts = int(config.num_moe_experts)
+        self.top_k = int(config.moe_router_topk)
+        _, ep, rank = _ep_group_size_rank()
+        if ep != int(getattr(config, "expert_model_parallel_size", 1) or 1):
+            raise ValueError(
+                f"RLMoELayer: expert_model_parallel_size={config.expert_model_parallel_size} in "
+                f"the config, but megatron's parallel state has an expert-parallel group of {ep}"
+            )
+        if self.num_experts % ep:
+            raise UnsupportedNumericsError(
+                f"rl_engine Megatron MoE layer: {self.num_experts} experts do not divide over "
+                f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
+            )
+        self.ep_size = ep
+        self.num_local_experts = self.num_experts // ep
+        first = rank * self.num_local_experts
+        self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        emap = torch.full((self.num_experts,), -1, dtype=torch.long)
+        emap[first : first + self.num_local_experts] = torch.arange(self.num_local_experts)
+        self.register_buffer("expert_map", emap.to(_init_device(config)), persistent=False)
+        h, i = config.hidden_size, int(config.moe_ffn_hidden_size)
+        self.router = _Weight((self.num_experts, h), config)
+        self.experts = torch.nn.Module()
+        self.experts.linear_fc1 = _Weight((self.num_local_experts, 2 * i, h), config, expert=True)
+        self.experts.linear_fc2 = _Weight((self.num_local_experts, h, i), config, expert=True)
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_experts = (
+            RLSharedExpert(config, int(shared), bool(config.moe_shared_expert_gate))
+            if shared is not None
+            else None
+        )
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def forward(
+        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states [s, b, H] (or [t, H]) -> (output of the same shape, None).
+
+        ``padding_mask`` is ignored: every row is routed on its own (padding rows cannot change
+        a real row's bits); megatron uses it only for its auxiliary-loss statistics."""
+        _refuse(bool(kwargs.get("intermediate_tensors")), "partial CUDA-graph MoE execution")
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids, _ = ops.moe_router(
+            x, self.router.weight, self.top_k, scoring=self.scoring, renormalize=self.renormalize
+        )
+        w13, w2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
+        if self.ep_size == 1:
+            y = ops.moe_experts(x, ids, w13, w2)
+        else:
+            y = _ep_experts(x, ids, w13, w2, self.expert_map, self.top_k)
+        shared = gate = None
+        if self.shared_experts is not None:
+            shared, gate = self.shared_experts(x)
+        out = ops.moe_combine(y, weights, shared=shared, shared_gate=gate)
+        return out.view(shape), None
+
+
+# ------------------------------------------------------------------------- expert parallelism
+class _GatherSlotRows(torch.autograd.Function):
+    """x [T, H] of this rank -> the EP group's (token, slot) rows [sum_r T_r * k, H] (each token
+    row repeated k times; ranks in order, real rows only).
+
+    Backward: the slot rows' gradients summed over the group (each row's gradient is non-zero
+    on the one rank that holds its expert: exact), this rank's rows kept, then each token's k
+    slot gradients added in slot order in fp32 with one rounding (``moe_experts``' rule)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int, counts: list[int], rank: int, group: Any):
+        t_max = max(counts)
+        padded = x.new_zeros((t_max, x.shape[1]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        torch.distributed.all_gather(parts, padded, group=group)
+        rows = torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)], dim=0)
+        ctx.k, ctx.counts, ctx.rank, ctx.group, ctx.dtype = k, counts, rank, group, x.dtype
+        return rows.repeat_interleave(k, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad.contiguous()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        k, counts = ctx.k, ctx.counts
+        start = sum(counts[: ctx.rank]) * k
+        mine = g[start : start + counts[ctx.rank] * k].view(counts[ctx.rank], k, -1)
+        acc = torch.zeros(mine.shape[0], mine.shape[2], dtype=torch.float32, device=g.device)
+        for s in range(k):
+            acc = acc + mine[:, s].float()
+        return acc.to(ctx.dtype), None, None, None, None
+
+
+class _SumRowsOverGroup(torch.autograd.Function):
+    """Sum over the EP group of per-slot outputs that are non-zero on one rank only (exact),
+    then this rank's rows ``[start, start + n)``. Backward: the rows' gradient placed back and
+    summed over the group (again one non-zero rank per row)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, start: int, n: int, group: Any):
+        y = y.contiguous()
+        torch.distributed.all_reduce(y, group=group)
+        ctx.start, ctx.n, ctx.rows, ctx.group = start, n, y.shape[0], group
+        return y[start : start + n]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        full = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        full[ctx.start : ctx.start + ctx.n] = grad
+        torch.distributed.all_reduce(full, group=ctx.group)
+        return full, None, None, None
+
+
+def _ep_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_map: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """``moe_experts`` over the expert-parallel group (module docstring): [T, k, H]."""
+    group, ep, rank = _ep_group_size_rank()
+    t = x.shape[0]
+    n = torch.tensor([t], dtype=torch.long, device=x.device)
+    sizes = [torch.empty_like(n) for _ in range(ep)]
+    torch.distributed.all_gather(sizes, n, group=group)
+    counts = [int(c.item()) for c in sizes]
+    rows = _GatherSlotRows.apply(x, k, counts, rank, group)  # [N k, H]
+    id_pad = ids.new_zeros((max(counts), k))
+    id_pad[:t] = ids
+    id_parts = [torch.empty_like(id_pad) for _ in range(ep)]
+    torch.distributed.all_gather(id_parts, id_pad, group=group)
+    all_ids = torch.cat([p[:c] for p, c in zip(id_parts, counts, strict=True)], dim=0)
+    y = ops.moe_experts(rows, all_ids.reshape(-1, 1), w13, w2, expert_map=expert_map)
+    start = sum(counts[:rank]) * k
+    mine = _SumRowsOverGroup.apply(y.view(-1, x.shape[1]), start, t * k, group)
+    return mine.view(t, k, x.shape[1])
