@@ -282,7 +282,11 @@ def test_poly_norm_plot_and_summary_line(tmp_path, capsys, figures):
     common = importlib.import_module("common")
     common.finish(tmp_path, "poly_norm_t", {"a": 1}, summary={"x": 0.123456}, rows=rows)
     assert "poly_norm_t summary: x 0.123" in capsys.readouterr().out
-    assert json.loads((tmp_path / "poly_norm_t.json").read_text())["rows"] == rows
+    written = json.loads((tmp_path / "poly_norm_t.json").read_text())
+    assert written["rows"] == rows
+    from rl_engine._env import code_hash
+
+    assert written["code_hash"] == code_hash()  # every result names the code it measured
 
 
 def test_op_main_runs_summarizes_and_writes(tmp_path, monkeypatch, capsys):
