@@ -48,8 +48,13 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 
 
 def device_info() -> dict[str, Any]:
+    """Date, the package's code hash (``scripts/status.py`` compares it with the code now),
+    versions and the device of a result."""
+    from rl_engine._env import code_hash
+
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "code_hash": code_hash(),
         "host_python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

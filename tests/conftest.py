@@ -69,21 +69,49 @@ def skip_unless_triton(provider_module):
     )
 
 
-def backend_fixture(op: str, device: str = "cpu"):
-    """A ``backend`` fixture over ``op``'s invariant providers on ``device``; a provider that is
-    registered but cannot run here (Triton without the interpreter) skips with its reason.
+class Backend(str):
+    """What a ``backend`` fixture gives a test: the provider's name (pass it as ``backend=``) and
+    ``device``, where the test must put its tensors."""
 
-    In a test module: ``backend = backend_fixture("rms_norm")``."""
+    device: str
+
+    def __new__(cls, name: str, device: str) -> Backend:
+        self = super().__new__(cls, name)
+        self.device = device
+        return self
+
+
+def provider_device(name: str) -> str:
+    """Where a provider's test cases run in this session: the Triton provider on the GPU when
+    there is one (on the CPU it runs only in the interpreter), every other provider on the CPU."""
+    return DEVICE if name == "triton" else "cpu"
+
+
+def backend_fixture(op: str, device: str | None = None):
+    """A ``backend`` fixture over ``op``'s invariant providers, each on :func:`provider_device`
+    (or on ``device`` when given); a provider that is registered but cannot run there (Triton
+    on the CPU without the interpreter) skips with its reason. The fixture's value is a
+    :class:`Backend`: the test puts its tensors on ``backend.device``.
+
+    In a test module: ``backend = backend_fixture("rms_norm")``. A module whose tests build CPU
+    tensors only passes ``device="cpu"`` (its Triton cases then skip on a GPU)."""
     from rl_engine import KernelRegistry
 
-    names = [p.name for p in KernelRegistry.providers(op, device) if p.invariant]
+    cases = []
+    for p in KernelRegistry.providers(op, "cpu"):  # the CPU's order: native first
+        dev = device or provider_device(p.name)
+        if p.invariant and dev in p.devices:
+            cases.append((p.name, dev))
 
-    @pytest.fixture(params=names)
+    @pytest.fixture(params=cases, ids=[name for name, _ in cases])
     def backend(request):
-        try:
-            KernelRegistry.get_op(op, device=device, backend=request.param)
-        except Exception as exc:  # registered but not runnable here
-            pytest.skip(str(exc))
-        return request.param
+        from rl_engine import config
+
+        name, dev = request.param
+        (prov,) = [p for p in KernelRegistry.providers(op) if p.name == name]
+        reason = prov.why_not(dev, triton_interpret=config.settings().triton_interpret)
+        if reason is not None:  # registered but not runnable here
+            pytest.skip(f"{op} on {dev}: {reason}")
+        return Backend(name, dev)
 
     return backend

@@ -231,7 +231,10 @@ def _loop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     finally:
         if bar is not None:
             bar.close()
+    from rl_engine._env import code_hash
+
     return {
+        "code_hash": code_hash(),
         "model": args.model or f"(embedded tiny llama, seed {args.seed})",
         "trainer": args.trainer,
         "device": args.device,

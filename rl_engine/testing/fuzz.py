@@ -783,16 +783,11 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
 
 
 def _code_hash() -> str:
-    """A hash of the package's Python sources: two reports with the same hash ran the same
-    kernels and checks (also where the checkout has no git history, as on the device)."""
-    import hashlib
-    from pathlib import Path
+    """:func:`rl_engine._env.code_hash`: two reports with the same hash ran the same kernels and
+    checks."""
+    from rl_engine._env import code_hash
 
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
+    return code_hash()
 
 
 def _run_identity(device: str, seed: int) -> dict[str, Any]:

@@ -197,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} (control, expected below 100%): {eq}/{n} bitwise equal")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": _gpu(), "dtype": args.dtype or default_dtype(), "tp": args.tp,
-                       "ep": args.ep, "rows": rows, "control": control}, f, indent=1)  # fmt: skip
+            from rl_engine._env import code_hash
+
+            json.dump({"code_hash": code_hash(), "gpu": _gpu(),
+                       "dtype": args.dtype or default_dtype(), "tp": args.tp, "ep": args.ep,
+                       "rows": rows, "control": control}, f, indent=1)  # fmt: skip
     return status
 
 

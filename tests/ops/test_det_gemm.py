@@ -13,7 +13,8 @@ from tests.conftest import backend_fixture
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-backend = backend_fixture("det_gemm")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("det_gemm", device="cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,7 +18,8 @@ from tests.ops._vocab import forward_grid
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-backend = backend_fixture("entropy")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("entropy", device="cpu")
 
 
 def _ref64(logits, temperature):

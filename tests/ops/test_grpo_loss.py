@@ -19,7 +19,8 @@ from tests.ops.grpo_loss_checks import FULL, data, run
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-backend = backend_fixture("grpo_loss")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("grpo_loss", device="cpu")
 
 
 def _ref64(
@@ -305,6 +306,27 @@ _M = torch.ones(3, 4, dtype=torch.bool)
 def test_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         grpo_loss(*args, backend="native", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((4,), r"shape \(4,\); expected \[B\] or \[B, T\]"),  # [T] for [B] (B != T)
+        ((2,), r"shape \(2,\); expected \[B\]"),
+        ((3, 1), r"rollout_is_weights has shape \(3, 1\), logp \(3, 4\)"),  # no broadcasting
+        ((1, 4), r"rollout_is_weights has shape \(1, 4\), logp \(3, 4\)"),
+        ((4, 3), r"rollout_is_weights has shape \(4, 3\)"),  # transposed
+        ((3, 4, 1), "rollout_is_weights must have 1 or 2 dims"),
+        ((), "rollout_is_weights must have 1 or 2 dims"),
+    ],
+)
+def test_is_weights_of_the_wrong_shape_refused(backend, shape, match):
+    """``rollout_is_weights`` is [B] or [B, T] exactly; any other shape is refused at the public
+    entry with its shape and logp's, on every provider (nothing broadcast). (A [T] tensor when
+    B == T reads as [B]: the one shape no check can tell apart.)"""
+    with pytest.raises(ValueError, match=match):
+        grpo_loss(_X, _X, _X, _M, rollout_is_weights=torch.ones(shape), backend=backend)
+    grpo_loss(_X, _X, _X, _M, rollout_is_weights=torch.ones(3), backend=backend)  # [B] runs
 
 
 def test_numeric_mask_must_be_zero_or_one():

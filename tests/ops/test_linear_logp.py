@@ -24,7 +24,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 CHUNKS = [(ll_ref.TOKEN_CHUNK, ll_ref.VOCAB_CHUNK), (7, VOCAB_TILE), (64, 2 * VOCAB_TILE)]
 
 
-backend = backend_fixture("linear_logp")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("linear_logp", device="cpu")
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ _DIFF = ("log_ratio", "ratio", "k1", "k2", "k3", "seq_log_ratio", "seq_ratio")
 _OPTS = dict(token_is_cap=1.5, seq_is_cap=3.0, token_mis=(0.4, 2.5), seq_mis=(0.2, 4.0))
 
 
-backend = backend_fixture("ratio_kl")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("ratio_kl", device="cpu")
 
 
 def _data(b, t, dtype, *, scale=0.3, seed=0):

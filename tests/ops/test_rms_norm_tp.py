@@ -15,7 +15,8 @@ from rl_engine.ops.det_gemm.tp import Exchange, combine
 from rl_engine.ops.rms_norm import tp as norm_tp
 from tests.conftest import backend_fixture
 
-backend = backend_fixture("rms_norm")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("rms_norm", device="cpu")
 
 
 def _data(m: int, h: int = 48, seed: int = 0):

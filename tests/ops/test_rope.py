@@ -25,7 +25,8 @@ LLAMA3 = {
 }
 
 
-backend = backend_fixture("rope")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("rope", device="cpu")
 
 
 def _inv_freq64(theta: float, rd: int, scaling: dict | None = None) -> torch.Tensor:
@@ -315,3 +316,29 @@ def test_errors(args, kwargs, exc, match):
 def test_unknown_backend():
     with pytest.raises(BackendUnavailableError, match="names no provider"):
         rope(X, P, backend="nope")
+
+
+def test_negative_positions_refused(monkeypatch):
+    """A negative position is refused at the public entry (``rope`` and ``rope_qk``), whatever the
+    provider; under ``torch.compile`` (and on a GPU) by a device-side assert with
+    ``RL_ENGINE_DEVICE_CHECKS=1``."""
+    x, pos = torch.randn(4, 2, 16), torch.tensor([0, 1, -1, 3])
+    interp = config.settings().triton_interpret
+    names = [
+        p.name
+        for p in KernelRegistry.providers("rope", "cpu")
+        if p.invariant and p.why_not("cpu", triton_interpret=interp) is None
+    ]
+    assert "native" in names
+    for name in names:
+        with pytest.raises(ValueError, match="positions must be >= 0; got min -1"):
+            rope(x, pos, backend=name)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        rope_qk(x, torch.randn(4, 1, 16), pos, backend="native")
+    rope(x, pos.abs(), backend="native")  # the same call with valid positions runs
+    monkeypatch.setenv("RL_ENGINE_DEVICE_CHECKS", "1")
+    config.reload()
+    f = torch.compile(lambda a, p: rope(a, p, backend="native"), fullgraph=True, backend="eager")
+    assert_bitwise(f(x, pos.abs()), rope(x, pos.abs(), backend="native"), "compiled, checked")
+    with pytest.raises(RuntimeError, match="positions must be >= 0"):
+        f(x, pos)

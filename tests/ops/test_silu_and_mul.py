@@ -14,7 +14,8 @@ from tests.conftest import backend_fixture
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-backend = backend_fixture("silu_and_mul")
+# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
+backend = backend_fixture("silu_and_mul", device="cpu")
 
 
 def _ref64(x: torch.Tensor) -> torch.Tensor:

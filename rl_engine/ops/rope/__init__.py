@@ -130,6 +130,7 @@ def rope_qk(
             f"{q.dtype} (same tokens, head dim and dtype)"
         )
     reference._check(k, positions, theta, rotary_dim, is_neox, scaling)
+    reference.check_positions(positions)
     return _rope_qk_op(q, k, positions, float(theta), rotary_dim, is_neox, *canon, provider)
 
 
@@ -147,7 +148,9 @@ def rope(
 
     Args:
         x: [T, heads, head_dim] float32 / bfloat16 / float16.
-        positions: [T] int32 / int64.
+        positions: [T] int32 / int64, each >= 0 (a negative one is refused: at once for CPU
+            tensors, by a device-side assert with ``RL_ENGINE_DEVICE_CHECKS=1`` on a GPU; see
+            :func:`rl_engine.ops.rope.reference.check_positions`).
         theta: the RoPE base.
         rotary_dim: rotated channels (even, <= head_dim; default head_dim); the rest pass through.
         is_neox: rotate-half layout (True: Llama / Qwen) or GPT-J interleaved pairs (False).
@@ -166,6 +169,7 @@ def rope(
 def _run(x, positions, theta, rotary_dim, is_neox, scaling, provider: str) -> torch.Tensor:
     """The op through ``provider`` on :func:`rope`'s arguments (checked here, once)."""
     rotary_dim, canon = reference._check(x, positions, theta, rotary_dim, is_neox, scaling)
+    reference.check_positions(positions)
     return _rope_op(x, positions, float(theta), rotary_dim, is_neox, *canon, provider)
 
 

@@ -178,6 +178,24 @@ def _check(
     return rotary_dim, canon
 
 
+def check_positions(positions: torch.Tensor) -> None:
+    """Every position >= 0 (a negative one would rotate by a negative angle: no engine's table
+    has it). Called once, at the public entry. CPU tensors in eager mode: checked at once
+    (``ValueError``). Accelerator tensors, and any under ``torch.compile``: a device-side assert
+    with ``RL_ENGINE_DEVICE_CHECKS=1`` (a host check would synchronise the stream once per layer,
+    or break the graph), else nothing."""
+    from rl_engine import config
+
+    if positions.numel() == 0:
+        return
+    msg = "rope: positions must be >= 0"
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool((positions < 0).any()):
+            raise ValueError(f"{msg}; got min {int(positions.min())}")
+    elif config.settings().device_checks:
+        torch._assert_async((positions >= 0).all(), msg)
+
+
 def cos_sin(
     positions: torch.Tensor, theta: float, rotary_dim: int, canon: Canonical
 ) -> tuple[torch.Tensor, torch.Tensor]:
