@@ -44,7 +44,6 @@ for t in ${EP_DEGREES:-2}; do
       echo "-- Megatron EP $MEGATRON_EP: not enough GPUs beside vLLM ($NGPU)"
     fi
   fi
-  wait "${pids[@]}" || status=1
   for p in "${pids[@]}"; do wait "$p" || status=1; done
   pids=()
 done
