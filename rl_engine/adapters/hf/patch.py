@@ -318,14 +318,6 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-def _no_tp_groups(where: str) -> None:
-    if tpm.groups_for(1) is not None:
-        raise UnsupportedModelError(
-            f"{where}: RL_ENGINE_TP_GROUPS asks for the TP-invariant K reduction, which the "
-            "expert down projections (moe_experts) do not compute yet"
-        )
-
-
 class _RouterForward(_PatchedForward):
     """``*TopKRouter``: ``moe_router`` (``det_gemm`` logits in the model dtype, then
     ``moe_topk``). Returns HF's ``(logits [T, E], weights [T, k] fp32, ids [T, k] int64)``."""
@@ -371,7 +363,6 @@ class _ExpertsForward(_PatchedForward):
     def run(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        _no_tp_groups("moe_experts")
         w13, w2 = _expert_weights(self.module)
         y = ops.moe_experts(hidden_states, top_k_index, w13, w2)
         return ops.moe_combine(y, top_k_weights.float())
@@ -399,7 +390,6 @@ class _SparseMoeForward(_PatchedForward):
             raise UnsupportedModelError("patch_model: a shared-expert gate without a shared expert")
 
     def run(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        _no_tp_groups("moe_experts")
         mod = self.module
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])

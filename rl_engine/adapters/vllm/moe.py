@@ -318,6 +318,17 @@ def _make_keep_moe_weights(original):
     return process_weights_after_loading
 
 
+def _make_no_modular_kernel(original):
+    def maybe_init_modular_kernel(self, *args, **kwargs):
+        """No vLLM modular kernel (prepare / finalize all-to-all, fused experts): the routed
+        ``forward`` sums the per-slot rows over the EP group itself. CUDA vLLM calls this at
+        load for expert parallelism; on the weights the plugin keeps as loaded, vLLM's own
+        initialisation refuses to run (seen on vLLM 0.24, 2 x H200, EP 2)."""
+        return None
+
+    return maybe_init_modular_kernel
+
+
 def _make_gate_forward(original):
     from rl_engine.adapters.vllm import compat
 
@@ -357,5 +368,7 @@ def apply_patches(patch: Any) -> None:
     moe = compat.moe_layers()
     patch(moe.MoERunner, "forward", _make_runner_forward)
     patch(moe.UnquantizedFusedMoEMethod, "process_weights_after_loading", _make_keep_moe_weights)
+    if hasattr(moe.MoERunner, "maybe_init_modular_kernel"):
+        patch(moe.MoERunner, "maybe_init_modular_kernel", _make_no_modular_kernel)
     if moe.GateLinear is not None:
         patch(moe.GateLinear, "forward", _make_gate_forward)
