@@ -11,7 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 # the Hugging Face architectures both sides (vLLM plugin, trainer adapters) support
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHS = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]

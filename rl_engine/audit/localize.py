@@ -87,8 +87,10 @@ def hook_points(model: Any, kind: str) -> list[tuple[str, torch.nn.Module]]:
 
 def _router_module(mlp: torch.nn.Module, kind: str) -> torch.nn.Module | None:
     """The module of an MoE block whose output (first element) is the router logits [T, E]:
-    transformers' and vLLM's ``gate`` (next to ``experts``); Megatron's rl_engine MoE layer
-    names it ``router`` and returns the logits from it. ``None`` for a dense MLP."""
+    transformers' and vLLM's ``gate`` (next to ``experts``); Megatron's ``router`` (rl_engine's
+    MoE layer: the logits; megatron's own ``TopKRouter``: its top-k probabilities scattered over
+    [T, E], whose top-k ids in order are the same function of the logits). ``None`` for a
+    dense MLP."""
     if kind in ("hf", "vllm"):
         if hasattr(mlp, "experts") and hasattr(mlp, "gate"):
             return mlp.gate

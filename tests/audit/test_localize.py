@@ -75,3 +75,56 @@ def test_full_vocab_kl_vs_float64():
     want = (p * (p.log() - q.log())).sum(-1)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-15)
     assert float(lz.full_vocab_kl(a, a, 1.0).max()) == 0.0
+
+
+# ----------------------------------------------------------------------- mixture of experts
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("loc_moe") / "qwen3_moe", "qwen3_moe", "bfloat16", seed=3,
+        hidden_size=64, moe_intermediate_size=32, num_attention_heads=2, head_dim=32,
+    )  # fmt: skip
+
+
+def _routing(a, b):
+    return lz.routing_agreement(a, b, top_k=2, scoring="softmax", renormalize=True)
+
+
+def test_moe_router_points_and_full_agreement_between_rl_engine_trainers(moe_ckpt):
+    hf = load_trainer("hf", "rl_engine", str(moe_ckpt), dtype=torch.bfloat16, device="cpu")
+    mg = load_trainer("megatron", "rl_engine", str(moe_ckpt), dtype=torch.bfloat16, device="cpu")
+    a, b = lz.capture_hf(hf, IDS), lz.capture_megatron(mg, IDS)
+    n_layers = len(hf.model.layers)
+    assert [f"L{i}.router" for i in range(n_layers)] == [n for n in a if n.endswith(".router")]
+    assert a["L0.router"].shape == (len(IDS), 8)  # the router logits [T, E]
+    res = lz.compare_captures(a, b)
+    assert res["first_divergence"] is None, lz.layer_table(res)
+    r = _routing(a, b)
+    assert r["layers"] == {f"L{i}": 1.0 for i in range(n_layers)} and r["mean"] == 1.0
+    assert all(r["logits_bitwise"].values()) and r["tokens"] == len(IDS)
+    assert "router" in lz.layer_table(res)
+
+
+def test_moe_swapped_router_rows_show_as_routing_disagreement(moe_ckpt):
+    hf = load_trainer("hf", "rl_engine", str(moe_ckpt), dtype=torch.bfloat16, device="cpu")
+    other = copy.deepcopy(hf)
+    w = other.model.layers[1].mlp.gate.weight
+    with torch.no_grad():  # experts 0 and 1 trade their router rows in layer 1
+        w[[0, 1]] = w[[1, 0]].clone()
+    a, b = lz.capture_hf(hf, IDS), lz.capture_hf(other, IDS)
+    res = lz.compare_captures(a, b)
+    assert res["first_divergence"] == "L1.router"
+    r = _routing(a, b)
+    assert r["layers"]["L0"] == 1.0 and r["layers"]["L1"] < 1.0
+    assert not r["logits_bitwise"]["L1"]
+
+
+def test_moe_stock_megatron_router_is_captured(moe_ckpt):
+    """Megatron's own TopKRouter returns its top-k probabilities over [T, E]: the hook fires
+    and the routing agreement is computed from them (a fraction of the tokens)."""
+    hf = load_trainer("hf", "rl_engine", str(moe_ckpt), dtype=torch.bfloat16, device="cpu")
+    stock = load_trainer("megatron", "stock", str(moe_ckpt), dtype=torch.bfloat16, device="cpu")
+    a, b = lz.capture_hf(hf, IDS), lz.capture_megatron(stock, IDS)
+    r = _routing(a, b)
+    assert set(r["layers"]) == {"L0", "L1"}
+    assert all(0.0 <= v <= 1.0 for v in r["layers"].values())

@@ -131,6 +131,14 @@ class _Weight(torch.nn.Module):
             self.weight.allreduce = False  # megatron's mark of expert parameters
 
 
+class _Router(_Weight):
+    """The router weight [E, H]; called, the router logits ``det_gemm(x, weight.t())`` in the
+    model dtype (``moe_router``'s first step: the audit's localisation hooks this module)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.det_gemm(x, self.weight.t())
+
+
 class RLSharedExpert(torch.nn.Module):
     """Shared expert ``fc2(silu_and_mul(fc1(x)))`` (fc1 rows ``[gate; up]``), with an optional
     sigmoid gate whose logits ``det_gemm(x, gate_weight.t())`` join ``moe_combine``."""
@@ -212,7 +220,7 @@ class RLMoELayer(MegatronModule):
         emap[first : first + self.num_local_experts] = torch.arange(self.num_local_experts)
         self.register_buffer("expert_map", emap.to(_init_device(config)), persistent=False)
         h, i = config.hidden_size, int(config.moe_ffn_hidden_size)
-        self.router = _Weight((self.num_experts, h), config)
+        self.router = _Router((self.num_experts, h), config)
         self.experts = torch.nn.Module()
         self.experts.linear_fc1 = _Weight((self.num_local_experts, 2 * i, h), config, expert=True)
         self.experts.linear_fc2 = _Weight((self.num_local_experts, h, i), config, expert=True)
@@ -236,8 +244,10 @@ class RLMoELayer(MegatronModule):
         _refuse(bool(kwargs.get("intermediate_tensors")), "partial CUDA-graph MoE execution")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        weights, ids, _ = ops.moe_router(
-            x, self.router.weight, self.top_k, scoring=self.scoring, renormalize=self.renormalize
+        # moe_router in two steps (the same bits): the logits through the router module
+        logits = self.router(x)
+        weights, ids = ops.moe_topk(
+            logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize
         )
         w13, w2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
         if self.ep_size == 1:
