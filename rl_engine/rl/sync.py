@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightSync", "WeightSyncError", "checkpoint_spec", "hf_weights", "megatron_weights"]
+__all__ = [
+    "WeightSync",
+    "WeightSyncError",
+    "checkpoint_spec",
+    "hf_weights",
+    "megatron_weights",
+    "to_checkpoint_names",
+]
 
 _SHOWN = 8  # problems listed in an error message
 
@@ -64,6 +71,52 @@ def _apply_on_worker(worker: Any, items: list[tuple[str, torch.Tensor]]) -> str:
         if missing:
             raise RuntimeError(f"load_weights left parameters unloaded: {missing[:_SHOWN]}")
     return "load_weights"
+
+
+_FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
+_FUSED_DOWN = ".mlp.experts.down_proj"
+# checkpoint layouts of a layer's experts: (folder, gate, up, down) under "<layer>."
+_EXPERT_LAYOUTS = (("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+                   ("block_sparse_moe.experts", "w1", "w3", "w2"))  # fmt: skip
+
+
+def to_checkpoint_names(
+    weights: dict[str, torch.Tensor], spec: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """Trainer tensors under the engine checkpoint's names. transformers 5 holds a layer's
+    experts fused (``<layer>.mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
+    ``.down_proj`` [E, H, I]) but saves, and vLLM loads, one tensor per expert
+    (``experts.<e>.gate_proj / up_proj / down_proj.weight``; Mixtral:
+    ``block_sparse_moe.experts.<e>.w1 / w3 / w2.weight`` and ``block_sparse_moe.gate.weight``):
+    the fused tensors are split into views of those (no copy); every other name is kept."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith(_FUSED_EXPERTS) or name.endswith(_FUSED_DOWN):
+            layer = name.rsplit(".mlp.experts.", 1)[0]
+            layout = next(
+                (lay for lay in _EXPERT_LAYOUTS if f"{layer}.{lay[0]}.0.{lay[1]}.weight" in spec),
+                None,
+            )
+            if layout is None:
+                out[name] = t  # the engine expects the fused name (validate says otherwise)
+                continue
+            folder, gate, up, down = layout
+            for e in range(t.shape[0]):
+                base = f"{layer}.{folder}.{e}"
+                if name.endswith(_FUSED_DOWN):
+                    out[f"{base}.{down}.weight"] = t[e]
+                else:
+                    half = t.shape[1] // 2
+                    out[f"{base}.{gate}.weight"] = t[e, :half]
+                    out[f"{base}.{up}.weight"] = t[e, half:]
+            continue
+        if name.endswith(".mlp.gate.weight") and name not in spec:
+            moe_name = name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+            if moe_name in spec:
+                out[moe_name] = t
+                continue
+        out[name] = t
+    return out
 
 
 class WeightSync:
@@ -118,7 +171,7 @@ class WeightSync:
     def push(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
         """Validate all, then load all into the running engine; returns the seconds taken."""
         t0 = time.perf_counter()
-        weights = dict(weights)
+        weights = to_checkpoint_names(dict(weights), self.spec)
         self.validate(weights)
         items = [(name, weights[name].detach()) for name in self.spec]
         methods = self.llm.collective_rpc(_apply_on_worker, args=(items,))

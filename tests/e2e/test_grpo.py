@@ -255,3 +255,48 @@ def test_grpo_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "warning: no grpo.png (RuntimeError: no display)" in printed
     assert f"wrote {out}/grpo.json" in printed
+
+
+@pytest.mark.vllm
+def test_grpo_moe_ratio_exactly_one_with_rl_engine_not_stock(tmp_path):
+    """A mixture of experts with a shared expert (Qwen2-MoE) through the loop: the HF trainer's
+    fused experts synced into vLLM's per-expert checkpoint names every step, ratio exactly 1."""
+    pytest.importorskip("vllm")
+    from rl_engine.testing.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe", "bfloat16", seed=0)
+    out = tmp_path / "out"
+    proc = _grpo(out, "--gate", "--model", model, "--trainer", "hf", "--device", "cpu",
+                 "--parallel", "--steps", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rep = json.loads((out / "grpo.json").read_text())
+    rl, stock = rep["configurations"]["rl_engine"], rep["configurations"]["stock"]
+    for s in rl["steps"]:
+        assert s["bitwise_equal_fraction"] == 1.0 and s["ratio_min"] == s["ratio_max"] == 1.0, s
+    assert all(s["grad_norm"] > 0 for s in rl["steps"])
+    assert {r["op"] for r in rl["provenance"]} >= {"moe_router", "moe_experts", "moe_combine"}
+    assert stock["summary"]["bitwise_equal_fraction_min"] < 1.0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fused_experts_take_the_checkpoint_names(tmp_path, arch):
+    """transformers 5's fused experts (and Mixtral's router) under the names the checkpoint, and
+    so vLLM's loader, uses: every tensor, equal to the file's."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from rl_engine.rl.sync import checkpoint_spec, to_checkpoint_names
+    from rl_engine.testing.tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch, "float32", seed=0)
+    spec = checkpoint_spec(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    weights = to_checkpoint_names(hf_weights(model), spec)
+    assert set(weights) == set(spec)
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    for name, t in weights.items():
+        assert tuple(t.shape) == spec[name] and torch.equal(t, saved[name]), name
+    # a dense checkpoint's names pass through unchanged
+    assert to_checkpoint_names({"model.norm.weight": saved["model.norm.weight"]}, spec).keys() == {
+        "model.norm.weight"
+    }
