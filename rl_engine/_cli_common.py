@@ -11,14 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 # the Hugging Face architectures both sides (vLLM plugin, trainer adapters) support
-SUPPORTED_ARCHS = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-)
+from rl_engine.adapters import SUPPORTED_ARCHS  # the one list
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]

@@ -54,6 +54,17 @@ _BASE: dict[str, Any] = {
 }
 
 
+# arch -> (transformers config class, model class), by name
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+}
+
+
 def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[str, Any]):
     import transformers
 
@@ -64,32 +75,12 @@ def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[st
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     kw["tie_word_embeddings"] = tie_word_embeddings
     kw["dtype"] = dtype
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**kw)
-        cfg.architectures = ["LlamaForCausalLM"]
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**kw)
-        cfg.architectures = ["Qwen2ForCausalLM"]
-        cls = transformers.Qwen2ForCausalLM
-    elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**kw)
-        cfg.architectures = ["Qwen3ForCausalLM"]
-        cls = transformers.Qwen3ForCausalLM
-    elif arch == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**kw)
-        cfg.architectures = ["Qwen3MoeForCausalLM"]
-        cls = transformers.Qwen3MoeForCausalLM
-    elif arch == "mixtral":
-        cfg = transformers.MixtralConfig(**kw)
-        cfg.architectures = ["MixtralForCausalLM"]
-        cls = transformers.MixtralForCausalLM
-    elif arch == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(**kw)
-        cfg.architectures = ["Qwen2MoeForCausalLM"]
-        cls = transformers.Qwen2MoeForCausalLM
-    else:
+    if arch not in _CLASSES:
         raise ValueError(f"unknown arch {arch!r}; supported: {ARCHS}")
+    config_name, model_name = _CLASSES[arch]
+    cfg = getattr(transformers, config_name)(**kw)
+    cfg.architectures = [model_name]
+    cls = getattr(transformers, model_name)
     return cfg, cls
 
 

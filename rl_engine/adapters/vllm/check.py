@@ -15,19 +15,12 @@ from typing import Any
 
 import torch
 
+from rl_engine.adapters import SUPPORTED_ARCHS as SUPPORTED_ARCHITECTURES
 from rl_engine.adapters.vllm.compat import NOT_STRUCTURAL as _NOT_STRUCTURAL
 from rl_engine.adapters.vllm.compat import STRUCTURAL_MODULES as _STRUCTURAL_MODULES
 from rl_engine.adapters.vllm.compat import SUPPORTED_VLLM_VERSIONS  # noqa: F401 (re-export)
 from rl_engine.registry import KernelRegistry, RLEngineError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-)
 # The rl_engine ops a routed model's forward runs: resolved when the model is loaded (vLLM runs
 # the forward right after, in its profiling / warm-up runs, and the compiled graph keeps the
 # providers resolved at trace time). ``logp`` is not among them: it is resolved, and counted,
