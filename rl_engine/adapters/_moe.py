@@ -19,6 +19,29 @@ MOE_FAMILIES = {
 }
 
 
+# config fields of capacity-based token dropping (no supported family has one; a config that
+# sets one asks for numerics that depend on the whole batch); None, 0 and -1 mean "no capacity"
+CAPACITY_FIELDS = ("moe_expert_capacity_factor", "capacity_factor", "expert_capacity",
+                   "router_capacity_factor", "moe_capacity_factor")  # fmt: skip
+
+
+def token_dropping_reason(cfg: Any) -> str | None:
+    """Why a config cannot be routed invariantly because it drops tokens (the first capacity
+    field it sets, in :class:`rl_engine.ops.moe_experts.TokenDroppingError`'s words), or
+    ``None``. Every adapter refuses with this reason."""
+    from rl_engine.ops.moe_experts import TokenDroppingError, refuse_token_dropping
+
+    for field in CAPACITY_FIELDS:
+        value = _get(cfg, field)
+        if value in (None, 0, -1):
+            continue
+        try:
+            refuse_token_dropping(field, value)
+        except TokenDroppingError as exc:
+            return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class MoESpec:
     """The MoE facts of one checkpoint (see :func:`moe_spec`)."""

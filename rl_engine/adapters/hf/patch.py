@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from rl_engine import ops
-from rl_engine.adapters._moe import MOE_FAMILIES, MoESpec, moe_spec
+from rl_engine.adapters._moe import MOE_FAMILIES, MoESpec, moe_spec, token_dropping_reason
 from rl_engine.ops.det_gemm import tp as tpm
 
 __all__ = ["is_patched", "patch_model", "rope_kwargs", "unpatch_model"]
@@ -64,10 +64,6 @@ ATTN_NAME = "rl_engine"
 DENSE = ("llama", "qwen2", "qwen3")
 MOE = tuple(MOE_FAMILIES)  # qwen3_moe, mixtral, qwen2_moe
 SUPPORTED = DENSE + MOE
-# config fields of capacity-based token dropping (none of the supported families has one; a
-# config that sets one asks for numerics that depend on the whole batch)
-_CAPACITY_FIELDS = ("capacity_factor", "expert_capacity", "moe_expert_capacity_factor",
-                    "router_capacity_factor", "moe_capacity_factor")  # fmt: skip
 # the Linear layers tensor parallelism shards along K (Megatron / vLLM RowParallelLinear)
 ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
 _BLOCK = 16  # block size of the compact KV cache handed to paged_attention while decoding
@@ -123,14 +119,9 @@ def _moe_spec(config: Any) -> MoESpec | None:
         raise UnsupportedModelError(f"patch_model: {mt}: {exc}") from None
     if spec is None:
         return None
-    for field in _CAPACITY_FIELDS:
-        value = getattr(config, field, None)
-        if value is not None:
-            raise UnsupportedModelError(
-                f"patch_model: {mt} {field}={value!r}: capacity-based token dropping depends on "
-                "the whole batch (which other tokens chose the expert first), so no token's "
-                "output could be batch invariant; rl_engine routes every token (remove it)"
-            )
+    dropping = token_dropping_reason(config)
+    if dropping is not None:
+        raise UnsupportedModelError(f"patch_model: {mt} {dropping}")
     return spec
 
 

@@ -50,8 +50,6 @@ ATTR = "_rl_engine_moe"  # the routing a checked runner carries (set by :func:`a
 # Routers whose selection is the plain softmax top-k (all other router classes are refused).
 _PLAIN_ROUTERS = ("FusedTopKRouter", "CPURouter")
 
-_CAPACITY_FIELDS = ("moe_expert_capacity_factor", "capacity_factor", "expert_capacity")
-
 
 def routing_for(hf_config: Any) -> tuple[tuple[str, bool] | None, str | None]:
     """``((scoring, renormalize), None)`` for a supported MoE checkpoint, else ``(None,
@@ -79,20 +77,6 @@ def _spec(hf_config: Any) -> tuple[Any, str | None]:
             f"{', '.join(SUPPORTED_MOE_ARCHITECTURES)})"
         )
     return spec, None
-
-
-def _capacity_reason(hf_config: Any) -> str | None:
-    from rl_engine.ops.moe_experts import TokenDroppingError, refuse_token_dropping
-
-    for field in _CAPACITY_FIELDS:
-        value = getattr(hf_config, field, None)
-        if value in (None, 0, -1):
-            continue
-        try:
-            refuse_token_dropping(field, value)
-        except TokenDroppingError as exc:
-            return str(exc)
-    return None
 
 
 def shared_mlp(runner: Any) -> Any:
@@ -141,7 +125,9 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
     if reason:
         return reason
     routing = (spec.scoring, spec.renormalize)
-    reason = _capacity_reason(hf_text)
+    from rl_engine.adapters._moe import token_dropping_reason
+
+    reason = token_dropping_reason(hf_text)
     if reason:
         return reason
     experts = runner.routed_experts

@@ -131,6 +131,16 @@ def groups(
         start += n
 
 
+def sum_slots(dx_slots: torch.Tensor) -> torch.Tensor:
+    """A token's input gradient from its slots' [T, k, H]: added in slot order in fp32, rounded
+    once to their dtype (every provider's rule)."""
+    acc = torch.zeros((dx_slots.shape[0], dx_slots.shape[2]), dtype=torch.float32,
+                      device=dx_slots.device)  # fmt: skip
+    for s in range(dx_slots.shape[1]):
+        acc = acc + dx_slots[:, s].float()
+    return acc.to(dx_slots.dtype)
+
+
 def experts_forward(x, ids, w13, w2, expert_map, kern: Kernels) -> torch.Tensor:
     """The forward of the module docstring with one family's dense ops."""
     t, k = ids.shape
@@ -156,11 +166,7 @@ def experts_backward(grad, x, ids, w13, w2, expert_map, kern: Kernels):
         dh = kern.act_backward(da, h)
         dw13[e] = kern.wgrad(xe, dh).t()
         dx_slots[rows] = kern.mm(dh, w13[e], None)
-    acc = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
-    slots = dx_slots.view(t, k, -1)
-    for s in range(k):
-        acc = acc + slots[:, s].float()
-    return acc.to(x.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype)
+    return sum_slots(dx_slots.view(t, k, -1)), dw13.to(w13.dtype), dw2.to(w2.dtype)
 
 
 def moe_experts(

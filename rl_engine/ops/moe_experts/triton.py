@@ -53,7 +53,7 @@ import torch
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.det_gemm.config import INTERPRETER_BLOCK_K, K_CHUNK, WGRAD_CHUNK
-from rl_engine.ops.moe_experts.reference import _check
+from rl_engine.ops.moe_experts.reference import _check, sum_slots
 
 __all__ = [
     "PROVIDER",
@@ -126,18 +126,8 @@ def all_configs(dtype: torch.dtype) -> list[MoeGemmConfig]:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """``acc + a @ b`` exactly as ``det_gemm``'s kernels compute it."""
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        return acc
+    # ``acc + a @ b`` exactly as det_gemm's kernels compute it: their own function
+    from rl_engine.ops.det_gemm.triton import _dot_acc
 
     @triton.jit
     def _chunk(
@@ -643,11 +633,7 @@ def moe_experts_backward(
         b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)),
         a_gather=False, c_scatter=True, swiglu=False, store_h=False, **common,
     )  # fmt: skip
-    dxs = dxs.view(t, top_k, hdim)
-    acc = torch.zeros((t, hdim), dtype=torch.float32, device=x.device)
-    for j in range(top_k):
-        acc = acc + dxs[:, j].float()
-    dx = acc.to(x.dtype)
+    dx = sum_slots(dxs.view(t, top_k, hdim))
     return dx, dw13, dw2
 
 
