@@ -28,9 +28,11 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 SCORINGS = [("softmax", True), ("softmax", False), ("topk_softmax", False)]
 DTYPES = [torch.float32, torch.bfloat16]
 
-topk_backend = backend_fixture("moe_router")
-experts_backend = backend_fixture("moe_experts")
-combine_backend = backend_fixture("moe_combine")
+# CPU tensors throughout: the Triton cases run here in the interpreter suite only; on a GPU the
+# Triton providers are tested on the GPU by test_moe_experts_triton.py / test_moe_triton.py.
+topk_backend = backend_fixture("moe_router", device="cpu")
+experts_backend = backend_fixture("moe_experts", device="cpu")
+combine_backend = backend_fixture("moe_combine", device="cpu")
 gpn_backend = backend_fixture("grouped_poly_norm")
 
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.moe_combine import reference
 from rl_engine.registry import resolve_provider
 
@@ -107,6 +113,9 @@ register_op(
         {"backward": reference.moe_combine_backward},
     ),
 )
+
+# The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.det_gemm import det_gemm
 from rl_engine.ops.moe_router import reference
 from rl_engine.registry import resolve_provider
@@ -132,6 +138,9 @@ register_op(
     entry=registry_entry(moe_topk, _run),
     native=("moe_router/native", reference.moe_topk, {"backward": reference.moe_topk_backward}),
 )
+
+# The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).
+register_triton(__name__)
 
 
 def self_test(device: str) -> None:
