@@ -24,7 +24,6 @@ table.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -38,21 +37,12 @@ import common  # noqa: E402
 from shapes import QWEN3_30B_A3B_MOE  # noqa: E402
 
 from rl_engine import KernelRegistry  # noqa: E402
+from rl_engine._env import code_hash  # noqa: E402
 from rl_engine.ops import moe_combine, moe_experts, moe_router  # noqa: E402
 from rl_engine.ops.moe_experts import triton as moe_triton  # noqa: E402
 
 DECODE_T = (1, 8, 32, 64, 128, 256)
 PREFILL_T = (4096, 8192, 16384)
-
-
-def code_hash() -> str:
-    """sha256 (12 hex digits) of every ``rl_engine/**/*.py`` file, path and content."""
-    root = Path(__file__).resolve().parent.parent / "rl_engine"
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def _vllm():

@@ -101,7 +101,8 @@ def test_align_layout(t, block_m):
 @needs_triton
 @pytest.mark.parametrize(
     "t, k, e, block_m, mapped", [(1, 8, 128, 16, False), (7, 2, 8, 16, True), (33, 2, 8, 64, True),
-                                 (200, 3, 7, 16, True), (64, 8, 128, 16, False)]
+                                 (200, 3, 7, 16, True), (64, 8, 128, 16, False),
+                                 (300, 8, 128, 64, True), (2048, 8, 128, 128, False)]
 )  # fmt: skip
 def test_align_kernel_equals_torch(t, k, e, block_m, mapped):
     g = torch.Generator().manual_seed(t)

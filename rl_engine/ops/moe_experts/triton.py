@@ -69,9 +69,11 @@ __all__ = [
 class MoeGemmConfig:
     """Launch configuration of the grouped GEMMs (performance only: the bits never depend on it).
 
-    ``block_m`` rows of one expert per program (the alignment unit), ``block_n`` output columns
-    (kernel 1: ``block_n`` gate and ``block_n`` up columns), ``block_k`` the K step (divides
-    ``K_CHUNK``).
+    ``block_m`` rows of one expert per program (the alignment unit, shared by both kernels),
+    ``block_n`` output columns (kernel 1: ``block_n`` gate and ``block_n`` up columns),
+    ``block_k`` the K step (divides ``K_CHUNK``). ``down``: kernel 2's own ``(block_n, block_k,
+    num_warps, num_stages)`` (N = hidden, K = the expert FFN: another shape than kernel 1's);
+    ``None``: kernel 1's.
     """
 
     block_m: int
@@ -79,26 +81,42 @@ class MoeGemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    down: tuple[int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
+        blocks = {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k}
+        if self.down is not None:
+            blocks.update(down_block_n=self.down[0], down_block_k=self.down[1])
+        for name, v in blocks.items():
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two >= 16")
-        if K_CHUNK % self.block_k:
-            raise ValueError(f"block_k={self.block_k} must divide K_CHUNK={K_CHUNK}")
+        for name in ("block_k", "down_block_k"):
+            if name in blocks and K_CHUNK % blocks[name]:
+                raise ValueError(f"{name}={blocks[name]} must divide K_CHUNK={K_CHUNK}")
+
+    def for_down(self) -> MoeGemmConfig:
+        """Kernel 2's config (the same ``block_m``)."""
+        if self.down is None:
+            return self
+        n, k, warps, stages = self.down
+        return MoeGemmConfig(self.block_m, n, k, warps, stages)
 
     def for_interpreter(self) -> MoeGemmConfig:
         return dataclasses.replace(self, block_k=INTERPRETER_BLOCK_K)
 
 
 _C = MoeGemmConfig
-# (max average rows per expert, config); the first row that fits wins. 16-bit inputs.
+# (max average rows per expert, config); the first row that fits wins. 16-bit inputs. Kernel 1
+# computes block_n gate and block_n up columns: a block_n here is 2 * block_n of a kernel over
+# the fused [2I] gate/up output. Decode rows (few rows per expert): narrow tiles for more
+# programs; prefill: 128-row tiles, 8 warps.
 _TABLE_16BIT: tuple[tuple[float, MoeGemmConfig], ...] = (
-    (8, _C(16, 64, 128, num_warps=4, num_stages=4)),
-    (32, _C(32, 64, 128, num_warps=4, num_stages=4)),
-    (96, _C(64, 64, 64, num_warps=4, num_stages=4)),
-    (float("inf"), _C(64, 128, 64, num_warps=4, num_stages=4)),
+    (0.125, _C(16, 32, 64, num_warps=4, num_stages=5, down=(64, 64, 4, 5))),
+    (2, _C(16, 32, 128, num_warps=4, num_stages=3, down=(64, 128, 4, 3))),
+    (8, _C(16, 64, 128, num_warps=4, num_stages=3, down=(128, 128, 4, 3))),
+    (16, _C(32, 128, 128, num_warps=4, num_stages=2, down=(256, 128, 4, 2))),
+    (32, _C(64, 64, 64, num_warps=4, num_stages=3, down=(128, 64, 4, 3))),
+    (float("inf"), _C(128, 128, 64, num_warps=8, num_stages=4, down=(256, 64, 8, 4))),
 )
 _TABLE_FP32: tuple[tuple[float, MoeGemmConfig], ...] = (
     (16, _C(16, 32, 32, num_warps=4, num_stages=3)),
@@ -312,51 +330,66 @@ if triton is not None:
         )
 
     @triton.jit
+    def _bucket(ids_ptr, map_ptr, sl, m, E, BLOCK_E: tl.constexpr, HAS_MAP: tl.constexpr):
+        """The bucket of slots ``sl`` (local expert, ``E`` non-local, ``BLOCK_E`` masked)."""
+        e = tl.load(ids_ptr + sl, mask=m, other=0).to(tl.int32)
+        if HAS_MAP:
+            e = tl.load(map_ptr + e, mask=m, other=0).to(tl.int32)
+            e = tl.where(e < 0, E, e)
+        return tl.where(m, e, BLOCK_E)  # matches no bin
+
+    @triton.jit
+    def _moe_align_hist_kernel(
+        ids_ptr, map_ptr, hist_ptr, S, E,
+        BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MAP: tl.constexpr,
+    ):  # fmt: skip
+        # Phase 1 (multi-chunk layouts): hist[c, b] = slots of chunk c in bucket b.
+        c = tl.program_id(0)
+        bins = tl.arange(0, BLOCK_E)
+        sl = c * BLOCK_S + tl.arange(0, BLOCK_S)
+        e = _bucket(ids_ptr, map_ptr, sl, sl < S, E, BLOCK_E, HAS_MAP)
+        counts = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), 0)
+        tl.store(hist_ptr + c * BLOCK_E + bins, counts)
+
+    @triton.jit
     def _moe_align_kernel(
-        ids_ptr, map_ptr, slots_ptr, block_expert_ptr, row_start_ptr, counts_ptr,
+        ids_ptr, map_ptr, hist_ptr, slots_ptr, block_expert_ptr, row_start_ptr, counts_ptr,
         S, E, NB,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-        HAS_MAP: tl.constexpr,
+        N_CHUNKS: tl.constexpr, HAS_MAP: tl.constexpr,
     ):  # fmt: skip
-        # One program: the layout of :func:`align_torch` (small S: one launch instead of a
-        # dozen). slots must hold S everywhere on entry. Buckets 0..E-1 local experts, E the
-        # non-local slots.
+        # The layout of :func:`align_torch`, one program per chunk of BLOCK_S slots. slots
+        # must hold S everywhere on entry. Buckets 0..E-1 local experts, E the non-local
+        # slots. N_CHUNKS == 1: the program counts its own chunk (one launch); else phase 1's
+        # per-chunk histograms give the totals and this chunk's offset in every bucket.
+        c = tl.program_id(0)
         bins = tl.arange(0, BLOCK_E)
-        rs = tl.arange(0, BLOCK_S)
-        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for s0 in range(0, S, BLOCK_S):
-            sl = s0 + rs
-            m = sl < S
-            e = tl.load(ids_ptr + sl, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                e = tl.load(map_ptr + e, mask=m, other=0).to(tl.int32)
-                e = tl.where(e < 0, E, e)
-            e = tl.where(m, e, BLOCK_E)  # matches no bin
-            counts += tl.sum((e[:, None] == bins[None, :]).to(tl.int32), 0)
+        sl = c * BLOCK_S + tl.arange(0, BLOCK_S)
+        e = _bucket(ids_ptr, map_ptr, sl, sl < S, E, BLOCK_E, HAS_MAP)
+        onehot = (e[:, None] == bins[None, :]).to(tl.int32)
+        if N_CHUNKS == 1:
+            counts = tl.sum(onehot, 0)
+            before_chunk = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        else:
+            rc = tl.arange(0, N_CHUNKS)
+            hist = tl.load(hist_ptr + rc[:, None] * BLOCK_E + bins[None, :])
+            counts = tl.sum(hist, 0)
+            before_chunk = tl.sum(tl.where(rc[:, None] < c, hist, 0), 0)
         nblk = (counts + (BLOCK_M - 1)) // BLOCK_M
         blk_end = tl.cumsum(nblk, 0)
         row_start = (blk_end - nblk) * BLOCK_M
-        tl.store(row_start_ptr + bins, row_start, mask=bins <= E)
-        tl.store(counts_ptr + bins, counts, mask=bins <= E)
-        running = row_start
-        for s0 in range(0, S, BLOCK_S):
-            sl = s0 + rs
-            m = sl < S
-            e = tl.load(ids_ptr + sl, mask=m, other=0).to(tl.int32)
-            if HAS_MAP:
-                e = tl.load(map_ptr + e, mask=m, other=0).to(tl.int32)
-                e = tl.where(e < 0, E, e)
-            e = tl.where(m, e, BLOCK_E)
-            onehot = (e[:, None] == bins[None, :]).to(tl.int32)
-            before = tl.cumsum(onehot, 0) - onehot  # same-bucket slots earlier in the chunk
-            pos = tl.sum(onehot * (before + running[None, :]), 1)
-            tl.store(slots_ptr + pos, sl, mask=m)
-            running += tl.sum(onehot, 0)
-        # block b belongs to the first bucket whose block range ends after b (E + 1: none)
-        for b0 in range(0, NB, BLOCK_S):
-            b = b0 + rs
-            owner = tl.sum((blk_end[None, :] <= b[:, None]) & (bins[None, :] <= E), 1)
-            tl.store(block_expert_ptr + b, owner.to(tl.int32), mask=b < NB)
+        before = tl.cumsum(onehot, 0) - onehot  # same-bucket slots earlier in the chunk
+        pos = tl.sum(onehot * (before + (row_start + before_chunk)[None, :]), 1)
+        tl.store(slots_ptr + pos, sl, mask=sl < S)
+        if c == 0:
+            tl.store(row_start_ptr + bins, row_start, mask=bins <= E)
+            tl.store(counts_ptr + bins, counts, mask=bins <= E)
+            # block b belongs to the first bucket whose block range ends after b (E + 1: none)
+            rs = tl.arange(0, BLOCK_S)
+            for b0 in range(0, NB, BLOCK_S):
+                b = b0 + rs
+                owner = tl.sum((blk_end[None, :] <= b[:, None]) & (bins[None, :] <= E), 1)
+                tl.store(block_expert_ptr + b, owner.to(tl.int32), mask=b < NB)
 
 
 def _kernel(name: str, device: torch.device) -> Any:
@@ -376,16 +409,28 @@ def max_blocks(n_slots: int, n_experts: int, block_m: int) -> int:
     return _tr.cdiv(n_slots, block_m) + min(n_experts + 1, n_slots)
 
 
-# Up to this many slots the alignment is one Triton program (decode: one launch instead of a
-# dozen small torch kernels); beyond, torch ops (their cost is small next to the GEMMs). The
-# same layout either way (a launch choice; tested).
-_ALIGN_KERNEL_MAX_SLOTS = 512  # provisional: bench_moe.py times both paths (align_*_us)
+# Up to this many slots the alignment is Triton (one program per chunk of slots: one launch
+# for a single chunk, two beyond); past it torch ops (prefill: their cost is small next to the
+# GEMMs, and the per-chunk histograms each program reads grow with the slots). The same layout
+# either way (a launch choice; tested).
+_ALIGN_KERNEL_MAX_SLOTS = 16384
+
+
+def _align_tiles(n_slots: int, n_experts: int) -> tuple[int, int, int]:
+    """``(BLOCK_E, BLOCK_S, chunks)`` of the Triton alignment: BLOCK_E > E + 1 buckets, chunks
+    of ~8k one-hot elements, at most 128 chunks."""
+    block_e = max(16, 1 << (n_experts + 1).bit_length())
+    block_s = max(16, min(256, 8192 // block_e))
+    while _tr.cdiv(n_slots, block_s) > 128:
+        block_s *= 2
+    chunks = _tr.cdiv(n_slots, block_s)
+    return block_e, block_s, 1 << max(0, chunks - 1).bit_length()
 
 
 def align(
     ids: torch.Tensor, n_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The aligned layout of the slots (see :func:`align_torch`): one Triton program for up to
+    """The aligned layout of the slots (see :func:`align_torch`): Triton for up to
     ``_ALIGN_KERNEL_MAX_SLOTS`` slots, else torch ops."""
     if ids.numel() > _ALIGN_KERNEL_MAX_SLOTS or ids.numel() == 0:
         return align_torch(ids, n_experts, block_m, expert_map)
@@ -395,7 +440,8 @@ def align(
 def align_triton(
     ids: torch.Tensor, n_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`align_torch`'s layout from one Triton program."""
+    """:func:`align_torch`'s layout from Triton: one program per chunk of slots (phase 1, the
+    per-chunk bucket histograms, only with more than one chunk)."""
     s = ids.numel()
     dev = ids.device
     nb = max_blocks(s, n_experts, block_m)
@@ -407,13 +453,24 @@ def align_triton(
     row_start = torch.empty((n_experts + 1,), dtype=torch.int32, device=dev)
     counts = torch.empty((n_experts + 1,), dtype=torch.int32, device=dev)
     emap = expert_map if expert_map is not None else flat
-    block_e = max(16, 1 << (n_experts + 1).bit_length())  # > E + 1 bins
-    block_s = max(16, min(128, 8192 // block_e))
+    block_e, block_s, n_chunks = _align_tiles(s, n_experts)
+    grid = (_tr.cdiv(s, block_s),)
+    # phase 1's histograms, N_CHUNKS rows (a power of two: the rows past the last chunk are
+    # written as zeros by their own programs, no memset launch)
+    hist = (
+        torch.empty((n_chunks, block_e), dtype=torch.int32, device=dev) if grid[0] > 1 else counts
+    )
     with _guard(ids):
-        _kernel("_moe_align_kernel", dev)[(1,)](
-            flat, emap, slots, block_expert, row_start, counts, s, n_experts, nb,
+        if grid[0] > 1:
+            _kernel("_moe_align_hist_kernel", dev)[(n_chunks,)](
+                flat, emap, hist, s, n_experts,
+                BLOCK_S=block_s, BLOCK_E=block_e, HAS_MAP=expert_map is not None, num_warps=4,
+            )  # fmt: skip
+        _kernel("_moe_align_kernel", dev)[grid](
+            flat, emap, hist, slots, block_expert, row_start, counts, s, n_experts, nb,
             BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=block_e,
-            HAS_MAP=expert_map is not None, num_warps=8,
+            N_CHUNKS=n_chunks if grid[0] > 1 else 1, HAS_MAP=expert_map is not None,
+            num_warps=8,
         )  # fmt: skip
     return slots, block_expert, row_start, counts
 
@@ -501,6 +558,7 @@ def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool):
     h = alloc((p, i2), dtype=x.dtype, device=x.device) if keep else None
     y = torch.empty((s, hdim), dtype=x.dtype, device=x.device)
     common = dict(s=s, n_experts=n_exp, cfg=cfg)
+    down = dict(s=s, n_experts=n_exp, cfg=cfg.for_down())
     _gemm(
         x, w13, act, h, slots, block_expert, n=inter, k=hdim, a_div=top_k,
         b_strides=(w13.stride(0), w13.stride(2), w13.stride(1)),
@@ -510,7 +568,7 @@ def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool):
         _gemm(
             act, w2, y, None, slots, block_expert, n=hdim, k=inter, a_div=1,
             b_strides=(w2.stride(0), w2.stride(2), w2.stride(1)),
-            a_gather=False, c_scatter=True, swiglu=False, store_h=False, **common,
+            a_gather=False, c_scatter=True, swiglu=False, store_h=False, **down,
         )  # fmt: skip
     layout = (slots, block_expert, row_start, counts)
     return y.view(t, top_k, hdim), act, h, layout
@@ -631,7 +689,8 @@ def moe_experts_backward(
     _gemm(
         dh, w13, dxs, None, slots, block_expert, n=hdim, k=i2, a_div=1,
         b_strides=(w13.stride(0), w13.stride(1), w13.stride(2)),
-        a_gather=False, c_scatter=True, swiglu=False, store_h=False, **common,
+        a_gather=False, c_scatter=True, swiglu=False, store_h=False,
+        s=s, n_experts=n_exp, cfg=cfg.for_down(),
     )  # fmt: skip
     dx = sum_slots(dxs.view(t, top_k, hdim))
     return dx, dw13, dw2
