@@ -2,6 +2,14 @@
 
     python3 benchmarks/bench_rollout.py [--quick] [--out DIR] [--configs stock,rl_engine]
         [--sizes 64,256] [--new-tokens N] [--repeats N] [--rounds N] [--profile DIR]
+        [--model qwen2_1b|llama8b_width|qwen3_moe] [--tp N]
+
+``--model`` (default ``qwen2_1b``, below): ``llama8b_width``: Llama-3-8B widths (hidden 4096, FFN
+14336, 32 / 8 heads, vocab 128256), 16 layers; ``qwen3_moe``: Qwen3-30B-A3B widths (hidden 2048,
+32 / 4 heads, 128 experts, top-8, expert FFN 768, vocab 151936), 8 layers. ``--tp N``: tensor
+parallel over N GPUs (an MoE model also with vLLM's expert parallelism: the plugin's MoE
+configuration at TP > 1). Results go to ``rollout.json`` for the default model at TP 1, else
+``rollout_<model>_tp<N>.json``.
 
 A ~1B Qwen2-shaped bf16 model (16 layers, hidden 2048, 16/8 heads, FFN 5632, vocab 151936, tied,
 random weights written locally), 64 and 256 concurrent prompts of 128 tokens x 512 new tokens
@@ -41,7 +49,7 @@ from rl_engine.testing.tiny_models import family_config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
 
-from shapes import QWEN2_1B  # noqa: E402
+from shapes import LLAMA3_8B_WIDTH, QWEN2_1B, QWEN3_30B_A3B_MOE  # noqa: E402
 
 CONFIGS = {
     "stock": {"RL_ENGINE_VLLM": "0"},
@@ -51,7 +59,28 @@ CONFIGS = {
     # list: --configs stock,rl_engine,rl_engine_split)
     "rl_engine_split": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_BACKEND_ATTENTION": "triton_split"},
 }
-MODEL = family_config("qwen2", **QWEN2_1B, max_positions=4096)
+MODELS = {
+    "qwen2_1b": family_config("qwen2", **QWEN2_1B, max_positions=4096),
+    "llama8b_width": family_config("llama", **LLAMA3_8B_WIDTH, max_positions=4096),
+    "qwen3_moe": {
+        "arch": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 8,
+        "hidden_size": QWEN3_30B_A3B_MOE["hidden"],
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": QWEN3_30B_A3B_MOE["ffn"],
+        "num_experts": QWEN3_30B_A3B_MOE["experts"],
+        "num_experts_per_tok": QWEN3_30B_A3B_MOE["top_k"],
+        "norm_topk_prob": True,
+        "vocab_size": 151936,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+    },  # fmt: skip
+}
+MODEL = MODELS[os.environ.get("ROLLOUT_MODEL", "qwen2_1b")]
 PROMPT_LEN = 128
 
 
@@ -151,8 +180,12 @@ def _worker(model: str, sizes: list[int], new_tokens: int, result: str) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    tp = int(os.environ.get("ROLLOUT_TP", "1"))
     llm = LLM(
         model=model,
+        tensor_parallel_size=tp,
+        # MoE at TP > 1: experts sharded by expert parallelism (the plugin's MoE configuration)
+        enable_expert_parallel=tp > 1 and MODEL["arch"] in ("qwen3_moe", "mixtral", "qwen2_moe"),
         skip_tokenizer_init=True,
         dtype="bfloat16",
         max_model_len=PROMPT_LEN + new_tokens + 16,
@@ -348,6 +381,8 @@ def main() -> int:
             default=1,
             help="engine processes per configuration, in alternating order (default 1)",
         )
+        p.add_argument("--model", default="qwen2_1b", choices=sorted(MODELS))
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
         p.add_argument(
             "--repeats",
             type=int,
@@ -367,9 +402,16 @@ def main() -> int:
         raise SystemExit(f"unknown configs {unknown}; known: {sorted(CONFIGS)}")
     from rl_engine.testing.tiny_models import make_tiny_model
 
+    global MODEL
+    MODEL = MODELS[args.model]
+    name_json = (
+        "rollout"
+        if (args.model, args.tp) == ("qwen2_1b", 1)
+        else (f"rollout_{args.model}_tp{args.tp}")
+    )
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     model = make_tiny_model(
-        work / "qwen2_1b", dtype="bfloat16", seed=0, initializer_range=0.02, **MODEL
+        work / args.model, dtype="bfloat16", seed=0, initializer_range=0.02, **MODEL
     )
     results: dict[str, dict] = {}
     rounds: dict[str, list[dict]] = {name: [] for name in configs}
@@ -387,6 +429,8 @@ def main() -> int:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         env["ROLLOUT_REPEATS"] = str(args.repeats or (1 if args.quick else 3))
+        env["ROLLOUT_MODEL"] = args.model
+        env["ROLLOUT_TP"] = str(args.tp)
         if args.step_times:
             env["ROLLOUT_STEP_TIMES"] = "1"
             # the timer is a function sent to the engine-core process (a bench-only switch)
@@ -416,9 +460,10 @@ def main() -> int:
         # finished, marked incomplete
         rows = _rows(results)
         done = all(len(rounds[n]) == args.rounds for n in configs)
-        payload = {"model": MODEL, "quick": args.quick, "complete": done, "configs": configs,
-                   "rounds": args.rounds, "baseline": BASELINE}  # fmt: skip
-        common.write_json(args.out, "rollout", {**payload, "rows": rows, "runs": results})
+        payload = {"model_name": args.model, "model": MODEL, "tp": args.tp, "quick": args.quick,
+                   "complete": done, "configs": configs, "rounds": args.rounds,
+                   "baseline": BASELINE}  # fmt: skip
+        common.write_json(args.out, name_json, {**payload, "rows": rows, "runs": results})
     common.print_table(
         rows,
         ["config", "prompts", "new_tokens", "tokens_per_s", "vs_stock", "engine_start_s"],

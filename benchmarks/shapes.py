@@ -38,6 +38,8 @@ EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
 # The ~1B Qwen2-shaped model of benchmarks/bench_rollout.py and bench_trainer.py (each adds its
 # vocabulary, RoPE base and sequence length).
 QWEN2_1B = dict(layers=16, hidden=2048, heads=16, kv_heads=8, ffn=5632)
+# Llama-3-8B widths at 16 layers (bench_rollout.py --model llama8b_width: the TP benchmark model)
+LLAMA3_8B_WIDTH = dict(layers=16, hidden=4096, heads=32, kv_heads=8, ffn=14336)
 
 # The projections of benchmarks/bench_rollout.py's ~1B Qwen2-shaped model (hidden 2048, 16 / 8
 # heads of 128, FFN 5632): what a decode step multiplies (fused QKV and gate-up as vLLM runs them).
