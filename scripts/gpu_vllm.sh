@@ -15,7 +15,8 @@
 # model, HF / Megatron trainer; results under benchmarks/results/<gpu>/grpo_*), tp / tp-vllm
 # (scripts/gpu_tp.sh, 2+ GPUs; tp alone needs no vLLM);
 # moe-tests (the MoE ops' tests on CUDA), moe-bench (benchmarks/bench_moe.py vs vLLM's fused_moe;
-# needs the --moe payload), moe-sweep (benchmarks/sweep_moe_experts.py); e2e with STEP_ARGS_e2e="--archs qwen3_moe" checks the MoE model.
+# needs the --moe payload), moe-sweep (benchmarks/sweep_moe_experts.py), moe-train
+# (benchmarks/bench_moe_train.py); e2e with STEP_ARGS_e2e="--archs qwen3_moe" checks the MoE model.
 # STEP_ARGS_<step> (e.g. STEP_ARGS_rollout=--quick) are passed to that step.
 # Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
 set -uo pipefail
@@ -81,6 +82,7 @@ for step in ${STEPS:-e2e}; do
       cmd=($PY -m pytest -q -p no:logging tests/ops/test_moe_experts_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py) ;;
     moe-bench) cmd=($PY benchmarks/bench_moe.py --out "$RES") ;;  # vs vLLM's fused_moe
     moe-sweep) cmd=($PY benchmarks/sweep_moe_experts.py --out "$RES") ;;  # experts tile sweep
+    moe-train) cmd=($PY benchmarks/bench_moe_train.py --out "$RES") ;;  # fwd+bwd vs transformers
     tp) cmd=(env VLLM_TP=0 bash scripts/gpu_tp.sh) ;;  # Megatron + FSDP2 over 2 GPUs
     tp-vllm) cmd=(env VLLM_TP=1 bash scripts/gpu_tp.sh) ;;  # vLLM TP 2 with CUDA graphs
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU

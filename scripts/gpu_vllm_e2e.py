@@ -70,6 +70,42 @@ MODELS = {
         "rope_theta": 1000000.0,
         "max_position_embeddings": 2048,
     },
+    # Mixtral's routing (top-k of the logits, softmax over the k), 4 layers, 8 experts, top-2,
+    # Mixtral-8x7B's head layout at hidden 2048, Mistral's 32000 vocabulary
+    "mixtral": {
+        "arch": "mixtral",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 5632,
+        "vocab_size": 32000,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 2048,
+    },
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B's routing: 60 experts, top-4, not renormalised, a
+    # sigmoid-gated shared expert), 4 layers at hidden 2048
+    "qwen2_moe": {
+        "arch": "qwen2_moe",
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 4,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 2048,
+    },
 }
 
 
