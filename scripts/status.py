@@ -56,11 +56,17 @@ ROWS = [
     _row("GRPO on CUDA vLLM", ["h200/grpo_qwen2_0.5b_hf/grpo.json",
                                "h200/grpo_qwen2_0.5b_megatron/grpo.json"],
          [*ENGINES, "rl_engine/rl"]),
-    _row("mixture of experts", ["h200/gpu_vllm_e2e_qwen3_moe.json", "h200/vllm_moe_ep2.json"],
+    _row("mixture of experts", ["h200/gpu_vllm_e2e_qwen3_qwen2_moe.json",
+                                "h200/gpu_vllm_e2e_mixtral.json", "h200/vllm_moe_ep2.json"],
          [*ENGINES, "rl_engine/audit", "scripts/gpu_vllm_e2e.py", "scripts/gpu_moe_ep.sh"]),
     _row("MoE layer vs vLLM", ["h200/moe.json"],
          [OPS + "moe_experts", OPS + "moe_router", OPS + "moe_combine", OPS + "det_gemm",
           "benchmarks/bench_moe.py"]),
+    _row("MoE rollout", ["h200/rollout_qwen3_moe_tp1.json"],
+         [*ENGINES, "benchmarks/bench_rollout.py"]),
+    _row("MoE trainer block", ["h200/moe_train.json"],
+         [OPS + "moe_experts", OPS + "moe_router", OPS + "moe_combine", OPS + "det_gemm",
+          "rl_engine/adapters/hf", "benchmarks/bench_moe_train.py"]),
     _row("trainer step vs the stacks", ["h100/trainer_hf.json", "h200/trainer_hf.json"],
          [*ENGINES, "benchmarks/bench_trainer_hf.py"]),
     _row("trainer invariance on the GPU", ["h100/gpu_tests_2026-11-27_s10_full.log"],
@@ -128,7 +134,9 @@ class Repo:
         self._by_hash: dict[str, str] | None = None
 
     def commit_of_hash(self, code_hash: str) -> str | None:
-        """The latest commit whose ``<package>/**/*.py`` have ``code_hash`` (None: none)."""
+        """The latest commit whose ``<package>/**/*.py`` have ``code_hash`` (None: none): the
+        last commit before the next one that changed the package (HEAD if none did), so a
+        result measured after commits that touched only scripts or benchmarks is dated there."""
         if self._by_hash is None:
             self._by_hash = self._hashes()
         return self._by_hash.get(code_hash)
@@ -144,6 +152,7 @@ class Repo:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         ) as cat:  # fmt: skip
             assert cat.stdin is not None and cat.stdout is not None
+            newer = None  # the package commit after c (newest first)
             for c in commits:  # newest first: a hash maps to its latest commit
                 files = {}
                 tree = _git(self.root, "ls-tree", "-r", c, "--", self.package + "/")
@@ -158,7 +167,10 @@ class Repo:
                         size = int(cat.stdout.readline().split()[2])
                         blobs[sha] = cat.stdout.read(size + 1)[:-1]
                     files[path[len(self.package) + 1 :]] = blobs[sha]
-                out.setdefault(code_hash_of(files), c)
+                latest = "HEAD" if newer is None else newer + "~1"
+                if code_hash_of(files) not in out:
+                    out[code_hash_of(files)] = _git(self.root, "rev-parse", latest).strip()
+                newer = c
             cat.stdin.close()
         return out
 
