@@ -160,6 +160,60 @@ def test_build_script_needs_cutlass(tmp_path):
     assert not (tmp_path / gemm_cuda.LIB_NAME).exists()
 
 
+@pytest.fixture
+def captured_launches(monkeypatch):
+    """The 16-bit launches det_gemm[cuda] would make, with CPU tensors (nothing runs): the
+    layout decisions (product, leading dimensions, padded extents) checked without a GPU."""
+    calls = []
+
+    def fake_run16(product, cfg, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k, like):
+        calls.append(dict(product=product, cfg=cfg, lda=lda, ldb=ldb, ldd=ldd, m=m, n=n, k=k,
+                          a16=a_ptr % 16 == 0, b16=b_ptr % 16 == 0, bias=bias))  # fmt: skip
+
+    monkeypatch.setattr(gemm_cuda, "_run16", fake_run16)
+    monkeypatch.setattr(gemm_cuda, "_check_cuda", lambda *t: None)
+    monkeypatch.setattr(gemm_cuda, "_device_guard", lambda t: gemm_cuda._NO_GUARD)
+    return calls
+
+
+def test_launch_layouts(captured_launches):
+    bf = torch.bfloat16
+    a = torch.randn(5, 64).to(bf)
+    w = torch.randn(24, 64).to(bf)
+    out = gemm_cuda.det_gemm(a, w.t())  # nn.Linear: K-contiguous b, no copy
+    (c,) = captured_launches
+    assert out.shape == (5, 24)
+    assert (c["product"], c["lda"], c["ldb"], c["m"], c["n"], c["k"]) == (0, 64, 64, 5, 24, 64)
+    gemm_cuda.det_gemm(torch.randn(5, 24).to(bf), w)  # dgrad: N-contiguous b
+    assert (captured_launches[-1]["product"], captured_launches[-1]["ldb"]) == (1, 64)
+    # K and N not multiples of 8: zero-padded to 24 / 32, run as [5, 24] x [24, 32]
+    gemm_cuda.det_gemm(
+        torch.randn(5, 17).to(bf), torch.randn(17, 30).to(bf), torch.zeros(30, dtype=bf)
+    )
+    c = captured_launches[-1]
+    assert (c["product"], c["k"], c["n"], c["lda"], c["ldb"], c["ldd"]) == (0, 24, 32, 24, 24, 32)
+    # an expanded (stride 0) or misaligned operand is copied
+    gemm_cuda.det_gemm(a[:1].expand(4, 64), w.t())
+    assert captured_launches[-1]["lda"] == 64
+    flat = torch.randn(5 * 64 + 3).to(bf)
+    gemm_cuda.det_gemm(flat[3:].view(5, 64), w.t())
+    assert captured_launches[-1]["a16"]
+    for m in (1, 64, 65, 300):
+        gemm_cuda.det_gemm(torch.randn(m, 64).to(bf), w.t())
+        name = gemm_config.get_cuda_config(m, 24, 64)
+        assert captured_launches[-1]["cfg"] == name
+
+
+def test_wgrad_launch_layouts(captured_launches):
+    bf = torch.bfloat16
+    x = torch.randn(100, 20).to(bf)  # K = 20: padded to 24
+    g = torch.randn(100, 32).to(bf)
+    out = gemm_cuda.det_gemm_wgrad(x, g)
+    c = captured_launches[-1]
+    assert out.shape == (20, 32) and out.dtype == torch.float32
+    assert (c["product"], c["m"], c["n"], c["k"], c["lda"], c["ldb"]) == (2, 24, 32, 100, 24, 32)
+
+
 # --------------------------------------------------------------------------- GPU
 
 _REASON = (

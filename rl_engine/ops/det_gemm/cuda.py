@@ -29,6 +29,7 @@ stream (CUDA-graph capture works as for any kernel launched on that stream).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -171,15 +172,35 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """``t`` [R, C] as a row-major (C-contiguous) tensor with ``cols`` >= C columns, the new ones
-    zero; a copy unless ``t`` already is one with that width."""
-    r, c = t.shape
-    if cols == c:
-        return t.contiguous()
-    out = t.new_zeros((r, cols))
-    out[:, :c] = t
+def _ld_ok(ld: int, extent: int) -> bool:
+    """A leading dimension TMA can use for rows of ``extent`` elements: 16-byte multiple, no
+    overlap (an expanded operand's stride 0 is not one)."""
+    return ld % _ALIGN == 0 and ld >= extent
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of ``t`` (a new allocation: 16-byte aligned, unlike a
+    ``contiguous()`` that returns a misaligned view as is)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` [R, C] copied into a zero row-major [rows, cols] (rows >= R, cols >= C)."""
+    out = t.new_zeros((rows, cols))
+    out[: t.shape[0], : t.shape[1]] = t
     return out
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _device_guard(t: torch.Tensor) -> Any:
+    """``torch.cuda.device(t.device)`` when it is not the current device (the library launches on
+    the current device), else a no-op context."""
+    idx = t.get_device()
+    if idx == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(idx)
 
 
 _WS: dict[tuple, int] = {}  # workspace bytes per (device, dtype, product, cfg, shapes, lds)
@@ -221,11 +242,12 @@ def _fp32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.
     if bias is not None:
         bias = bias.contiguous()
     stream = torch.cuda.current_stream(a.get_device()).cuda_stream
-    rc = lib.rle_det_gemm_fp32(
-        m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        stream,
-    )  # fmt: skip
+    with _device_guard(a):
+        rc = lib.rle_det_gemm_fp32(
+            m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0),
+            b.stride(1), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            out.stride(0), out.stride(1), stream,
+        )  # fmt: skip
     if rc != 0:
         raise _fail(lib, "fp32 kernel launch failed")
     return out
@@ -258,29 +280,34 @@ def det_gemm_with_config(
         raise ValueError(f"det_gemm[cuda]: config {cfg!r}; expected one of {list(CUDA_CONFIGS)}")
     kp = _round_up(k, _ALIGN)
     np_ = _round_up(n, _ALIGN)
-    # A: row-major with a 16-byte aligned row stride (zero columns past K: what TMA fills)
-    if not (a.stride(1) == 1 and a.stride(0) % _ALIGN == 0 and a.stride(0) >= kp and _aligned(a)):
-        a = _pad_cols(a, kp)
-    # B: K-contiguous (an nn.Linear weight as w.t(): "NT") or N-contiguous ("NN"), else a copy
-    if b.stride(0) == 1 and b.stride(1) % _ALIGN == 0 and b.stride(1) >= kp and _aligned(b):
-        product, ldb = _NT, b.stride(1)
-    elif (
-        b.stride(1) == 1
-        and b.stride(0) % _ALIGN == 0
-        and b.stride(0) >= n
-        and np_ == n
-        and _aligned(b)
-    ):
-        product, ldb = _NN, b.stride(0)
+    if (kp, np_) != (k, n):
+        # TMA needs 16-byte aligned extents along the contiguous dims: zero-padded copies, the
+        # problem run as [M, kp] x [kp, np_] (the same zeros TMA fills past K; extra columns cut)
+        a = _padded(a, m, kp)
+        b = _padded(b.t(), np_, kp).t()
+        product, ldb = _NT, kp
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(np_ - n)])
     else:
-        b = _pad_cols(b.t(), kp).t()  # [K, N] K-contiguous, row stride kp
-        product, ldb = _NT, b.stride(1)
-    if bias is not None and (np_ != n or bias.stride(0) != 1 or not _aligned(bias)):
-        bias = torch.cat([bias, bias.new_zeros(np_ - n)]) if np_ != n else bias.contiguous()
+        # A: row-major with a 16-byte aligned row stride, else a contiguous copy
+        if not (a.stride(1) == 1 and _ld_ok(a.stride(0), k) and _aligned(a)):
+            a = _copy(a)
+        # B: K-contiguous (an nn.Linear weight as w.t(): "NT") or N-contiguous ("NN"), else a
+        # K-contiguous copy
+        if b.stride(0) == 1 and _ld_ok(b.stride(1), k) and _aligned(b):
+            product, ldb = _NT, b.stride(1)
+        elif b.stride(1) == 1 and _ld_ok(b.stride(0), n) and _aligned(b):
+            product, ldb = _NN, b.stride(0)
+        else:
+            b = _copy(b.t()).t()
+            product, ldb = _NT, b.stride(1)
+        if bias is not None and (bias.stride(0) != 1 or not _aligned(bias)):
+            bias = _copy(bias)
     out = torch.empty((m, np_), dtype=a.dtype, device=a.device)
     bias_ptr = None if bias is None else bias.data_ptr()
-    _run16(product, cfg, a.data_ptr(), a.stride(0), b.data_ptr(), ldb, bias_ptr, out, np_, m, n,
-           k, a)  # fmt: skip
+    with _device_guard(a):
+        _run16(product, cfg, a.data_ptr(), a.stride(0), b.data_ptr(), ldb, bias_ptr, out, np_, m,
+               np_, kp, a)  # fmt: skip
     return out if np_ == n else out[:, :n].contiguous()
 
 
@@ -330,19 +357,16 @@ def det_gemm_wgrad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"det_gemm_wgrad[cuda]: dtype {a.dtype} is not supported")
     kop = _round_up(ko, _ALIGN)
     np_ = _round_up(n, _ALIGN)
-    # A = a.t() [K, T] M-contiguous: a row-major with an aligned row stride; B = grad row-major
-    if not (a.stride(1) == 1 and a.stride(0) % _ALIGN == 0 and a.stride(0) >= kop and _aligned(a)):
-        a = _pad_cols(a, kop)
-    if not (
-        grad.stride(1) == 1
-        and grad.stride(0) % _ALIGN == 0
-        and grad.stride(0) >= np_
-        and _aligned(grad)
-    ):
-        grad = _pad_cols(grad, np_)
+    # A = a.t() [K, T] M-contiguous: a row-major [T, kop] with an aligned row stride; B = grad
+    # row-major [T, np_] likewise (zero-padded copies where needed: extra rows / columns cut)
+    if not (kop == ko and a.stride(1) == 1 and _ld_ok(a.stride(0), ko) and _aligned(a)):
+        a = _padded(a, t, kop)
+    if not (np_ == n and grad.stride(1) == 1 and _ld_ok(grad.stride(0), n) and _aligned(grad)):
+        grad = _padded(grad, t, np_)
     out = torch.empty((kop, np_), dtype=torch.float32, device=a.device)
-    _run16(_WGRAD, CUDA_WGRAD_CONFIG, a.data_ptr(), a.stride(0), grad.data_ptr(), grad.stride(0),
-           None, out, np_, kop, np_, t, a)  # fmt: skip
+    with _device_guard(a):
+        _run16(_WGRAD, CUDA_WGRAD_CONFIG, a.data_ptr(), a.stride(0), grad.data_ptr(),
+               grad.stride(0), None, out, np_, kop, np_, t, a)  # fmt: skip
     return out if (kop, np_) == (ko, n) else out[:ko, :n].contiguous()
 
 
