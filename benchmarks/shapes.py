@@ -27,6 +27,16 @@ GEMM_SHAPES: tuple[GemmShape, ...] = (
     GemmShape("qwen3-1.7b.lm_head", 2048, 151936),
 )
 
+# The CUDA C++ det_gemm's grid (issue 47): the Llama-3-8B projections as vLLM fuses them (N, K:
+# o 4096x4096, qkv 6144x4096, gate_up 28672x4096, down 4096x14336) and a 151,936-vocab LM head.
+CSRC_GEMM_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape("llama3-8b.o_proj", 4096, 4096),
+    GemmShape("llama3-8b.qkv_proj", 4096, 6144),
+    GemmShape("llama3-8b.gate_up_proj", 4096, 28672),
+    GemmShape("llama3-8b.down_proj", 14336, 4096),
+    GemmShape("qwen3-8b.lm_head", 4096, 151936),
+)
+
 # Further real projections (not in the acceptance grid; for wider sweeps).
 EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
     GemmShape("llama3-8b.qkv_proj", 4096, 6144),

@@ -29,6 +29,11 @@ Variables:
         refused). Unset, a TP 1 side and a TP > 1 side differ; provenance tells them apart
         (``det_gemm_tp`` resolved or not) and ``rl_engine.audit.metrics.provenance_check``
         reports the pair as a mismatch.
+    RL_ENGINE_CSRC_LIB: path of the CUDA C++ library (``librl_engine_sm90.so``, built by
+        ``scripts/build_csrc.sh``) that the ``cuda`` providers load; unset: ``rl_engine/_lib/``
+        (a wheel built with it) then ``build/csrc/`` of the source checkout. The ``cuda``
+        provider of ``det_gemm`` (family ``det_gemm/cuda-sm90``) is opt-in: pin it on every
+        side with ``RL_ENGINE_BACKEND_DET_GEMM=cuda``.
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -57,6 +62,7 @@ class Settings:
     check_launch: bool = False
     device_checks: bool = False
     tp_groups: int | None = None
+    csrc_lib: str | None = None
 
     def pin_for(self, op_type: str) -> str | None:
         """The provider pinned for ``op_type`` by configuration, or ``None``."""
@@ -93,6 +99,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
         device_checks=environ.get(_PREFIX + "DEVICE_CHECKS", "0").strip().lower() in _TRUE,
         tp_groups=tp_groups,
+        csrc_lib=environ.get(_PREFIX + "CSRC_LIB", "").strip() or None,
     )
 
 

@@ -9,7 +9,7 @@ Rules (see ``docs/registry.md``):
 * An explicit ``backend=`` (or a pin from configuration) that cannot run raises
   :class:`BackendUnavailableError` with the reason. Nothing is substituted.
 * Default resolution takes the first available *invariant* provider for the device. It never
-  picks a non-invariant provider, and once an op is resolved for a device in this process it stays
+  picks a non-invariant provider nor an ``opt_in`` one (a second family chosen by name), and once an op is resolved for a device in this process it stays
   resolved.
 * No provider can run -> :class:`NoInvariantProviderError` naming the op, the device and each
   provider's reason. Unknown op -> :class:`UnknownOpError` listing the known ops.
@@ -102,6 +102,9 @@ class Provider:
         version: bumped whenever the numerics change.
         available: ``(device, *, triton_interpret) -> reason or None``; reads no environment.
         extras: further implementations the op's autograd uses (e.g. ``"wgrad"``).
+        opt_in: never chosen by default resolution, only by name (``backend=`` or a
+            configuration pin such as ``RL_ENGINE_BACKEND_DET_GEMM=cuda``): a second invariant
+            family of an op that both engines must select together.
     """
 
     op: str
@@ -114,6 +117,7 @@ class Provider:
     version: str = "1"
     available: AvailabilityCheck = _always
     extras: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    opt_in: bool = False
 
     def why_not(self, device: str, *, triton_interpret: bool) -> str | None:
         """Why this provider cannot run on ``device`` (``None`` when it can)."""
@@ -321,6 +325,11 @@ class KernelRegistry:
                     reason = cand.why_not(dev, triton_interpret=interp)
                     if reason is None and not cand.invariant:
                         reason = f"{cand.name}: not batch invariant (never chosen by default)"
+                    if reason is None and cand.opt_in:
+                        reason = (
+                            f"{cand.name}: opt-in only (RL_ENGINE_BACKEND_{op_type.upper()}="
+                            f"{cand.name} or backend={cand.name!r})"
+                        )
                     if reason is None:
                         prov = cand
                         break

@@ -210,6 +210,13 @@ register_op(
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
 
+# The CUDA C++ provider (SM90, family det_gemm/cuda-sm90): opt-in only, never chosen by default
+# (RL_ENGINE_BACKEND_DET_GEMM=cuda on every side). Registered before the TP reduction below,
+# which makes one det_gemm_tp provider per det_gemm provider.
+from rl_engine.ops.det_gemm import cuda as _cuda  # noqa: E402
+
+KernelRegistry.register_provider(_cuda.PROVIDER)
+
 
 def self_test(device: str) -> None:
     """Quick bitwise row / column invariance check (used by ``rl-engine check``)."""

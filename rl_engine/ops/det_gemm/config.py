@@ -36,6 +36,8 @@ __all__ = [
     "DetGemmConfig",
     "WgradConfig",
     "all_configs",
+    "CUDA_CONFIGS",
+    "get_cuda_config",
     "get_config",
     "get_wgrad_config",
 ]
@@ -194,3 +196,22 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
         if cfg not in seen:
             seen.append(cfg)
     return seen
+
+
+# --- the ``cuda`` provider (family ``det_gemm/cuda-sm90``) ---------------------------------------
+# Its numerics are fixed in csrc/det_gemm/det_gemm_sm90.cuh (K in blocks of 64 walked in order into
+# one fp32 accumulator, no K chunks); its tile configurations are launch shape only (the GPU
+# tests prove them bitwise equal). Indices are the library's ``RLE_CFG_*``: name -> index.
+CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2}  # 128x256 coop., 64x128 / 64x64 ping-pong
+# (m_max, config name): the first row with M <= m_max wins. A first guess (not tuned on a GPU
+# yet): small tiles give decode sizes enough CTAs to stream the weight.
+_CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"), (1 << 62, "large"))
+CUDA_WGRAD_CONFIG = "large"
+
+
+def get_cuda_config(m: int, n: int, k: int) -> str:
+    """The ``cuda`` provider's tile configuration for an [m, k] x [k, n] product (numerics-free)."""
+    for m_max, name in _CUDA_TABLE:
+        if m <= m_max:
+            return name
+    return _CUDA_TABLE[-1][1]

@@ -497,6 +497,7 @@ def _register() -> None:
                 fn=_provider_fn(prov.name),
                 version=prov.version,
                 available=prov.available,
+                opt_in=prov.opt_in,
             )
         )
 

@@ -137,11 +137,30 @@ def linear_logp(
     return _run(hidden, weight, tokens, temperature, return_entropy, provider)
 
 
+def _check_gemm_family(provider: str, device_type: str) -> None:
+    """The Triton provider computes its logits with the Triton det_gemm: refuse it when
+    ``det_gemm`` resolves to an opt-in family (the ``cuda`` one), which a user selects so that
+    every side runs it: the fused op would silently stop equalling ``logp(det_gemm(...))``.
+    The ``native`` provider calls the resolved det_gemm itself."""
+    if provider != "triton":
+        return
+    gemm = resolve_provider("det_gemm", device_type)
+    from rl_engine.registry import BackendUnavailableError, KernelRegistry
+
+    if any(p.name == gemm and p.opt_in for p in KernelRegistry.providers("det_gemm")):
+        raise BackendUnavailableError(
+            f"linear_logp[triton] computes its logits with det_gemm[triton], but det_gemm "
+            f"resolves to {gemm!r} here: the fused op would not equal logp(det_gemm(...)). Use "
+            "linear_logp's native provider with it (RL_ENGINE_BACKEND_LINEAR_LOGP=native)"
+        )
+
+
 def _run(
     hidden, weight, tokens, temperature, return_entropy, provider: str
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The op through ``provider`` on :func:`linear_logp`'s arguments (checked here, once)."""
     reference._check(hidden, weight, tokens, temperature, return_entropy)
+    _check_gemm_family(provider, hidden.device.type)
     lp, ent, _ = _linear_logp_op(
         hidden, weight, tokens, float(temperature), return_entropy, provider
     )

@@ -1,0 +1,175 @@
+// det_gemm on SM90 (wgmma + TMA through CUTLASS 3 collectives): the det_gemm/cuda-sm90 family.
+//
+// Numerics (every kernel instantiated here, whatever its tile shape or schedule):
+//   acc(i, j) = 0; for k-block kb = 0, 64, 128, ... (in order):
+//       for k16 = kb, kb+16, kb+32, kb+48 (in order): acc = wgmma_k16(acc, A[i, k16:k16+16], B[k16:k16+16, j])
+//   out(i, j) = round_to_nearest(1 * acc + bias[j])          (16-bit output; bias 0 when absent)
+//   wgrad:      out(i, j) = 1 * acc                              (fp32 output)
+// One fp32 accumulator per output element, K walked sequentially from column 0, k-block 64,
+// no split-K / stream-K, K tail and rows / columns past the matrix zero-filled by TMA. The
+// tile shape along M and N, the schedule (cooperative / ping-pong), the persistent grid and the
+// raster order are launch choices: they never change which products go into acc or in which
+// order, so an element depends on row i of A, column j of B and K only (row / batch and column
+// invariance). The GPU tests prove every shipped config bitwise equal.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+#include "det_gemm_sm90.h"
+
+namespace rle {
+
+using namespace cute;
+
+constexpr int kBlockK = 64;  // part of the numerics: every config walks K in blocks of 64
+
+// Launch configurations (performance only; see the numerics above).
+struct CfgLarge {  // 128 x 256 tiles, two consumer warp groups share a tile
+  using Tile = Shape<_128, _256, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct CfgMid {  // 64 x 128 tiles, two consumer warp groups alternate tiles
+  using Tile = Shape<_64, _128, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode sizes
+  using Tile = Shape<_64, _64, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+template <class Elem, class LayoutA, class LayoutB, class ElemD, class Cfg>
+struct GemmDef {
+  static constexpr bool kBias = !std::is_same_v<ElemD, float>;  // 16-bit out: + bias epilogue
+  using Fusion = std::conditional_t<
+      kBias,
+      cutlass::epilogue::fusion::LinCombPerColBias<ElemD, float, ElemD, void, float>,
+      cutlass::epilogue::fusion::LinearCombination<ElemD, float, void, float>>;
+  static constexpr int kAlignAB = 16 / sizeof(Elem);
+  static constexpr int kAlignD = 16 / sizeof(ElemD);
+  using ClusterShape = Shape<_1, _1, _1>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor, kAlignD, ElemD, cutlass::layout::RowMajor, kAlignD,
+      typename Cfg::Epilogue, Fusion>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, LayoutA, kAlignAB, Elem, LayoutB,
+      kAlignAB, float, typename Cfg::Tile, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::Mainloop>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// A packed 2-D stride of CUTLASS's (rows, cols, batch) convention with leading dimension ld:
+// the mode that is not the static unit stride gets ld, the batch mode 0 (one batch).
+template <class S>
+S ld_stride(int64_t ld) {
+  S s{};
+  if constexpr (is_static_v<std::remove_cv_t<std::remove_reference_t<decltype(get<0>(s))>>>) {
+    get<1>(s) = ld;
+  } else {
+    get<0>(s) = ld;
+  }
+  if constexpr (!is_static_v<std::remove_cv_t<std::remove_reference_t<decltype(get<2>(s))>>>) {
+    get<2>(s) = 0;
+  }
+  return s;
+}
+
+void set_error(const char* fmt, ...);
+int sm_count(int device);
+
+// Runs one GEMM of the definition `Def` (see det_gemm_sm90.h for the argument meaning).
+// ws == nullptr with ws_bytes < 0: returns the workspace size in bytes instead of running.
+template <class Def>
+int64_t run_gemm(const rle_gemm_args* p) {
+  using Gemm = typename Def::Gemm;
+  using Kernel = typename Def::Kernel;
+  using ElemIn = typename Kernel::ElementA;
+  using ElemD = typename Kernel::ElementD;
+  cutlass::KernelHardwareInfo hw;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    set_error("cudaGetDevice failed");
+    return -1;
+  }
+  hw.device_id = dev;
+  hw.sm_count = sm_count(dev);
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {static_cast<int>(p->m), static_cast<int>(p->n), static_cast<int>(p->k), 1},
+      {static_cast<const ElemIn*>(p->a), ld_stride<typename Kernel::StrideA>(p->lda),
+       static_cast<const ElemIn*>(p->b), ld_stride<typename Kernel::StrideB>(p->ldb)},
+      {{},
+       nullptr,
+       ld_stride<typename Kernel::StrideC>(p->ldd),
+       static_cast<ElemD*>(p->d),
+       ld_stride<typename Kernel::StrideD>(p->ldd)},
+      hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  if constexpr (Def::kBias) {
+    args.epilogue.thread.bias_ptr = static_cast<const ElemD*>(p->bias);
+  }
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) {
+    set_error("CUTLASS cannot implement this problem (m=%lld n=%lld k=%lld lda=%lld ldb=%lld "
+              "ldd=%lld): %s",
+              (long long)p->m, (long long)p->n, (long long)p->k, (long long)p->lda,
+              (long long)p->ldb, (long long)p->ldd, cutlass::cutlassGetStatusString(st));
+    return -1;
+  }
+  size_t need = Gemm::get_workspace_size(args);
+  if (p->workspace_bytes < 0) {
+    return static_cast<int64_t>(need);
+  }
+  if (static_cast<size_t>(p->workspace_bytes) < need) {
+    set_error("workspace of %lld bytes, need %zu", (long long)p->workspace_bytes, need);
+    return -1;
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(p->stream);
+  st = gemm.initialize(args, p->workspace, stream);
+  if (st != cutlass::Status::kSuccess) {
+    set_error("CUTLASS initialize failed: %s (%s)", cutlass::cutlassGetStatusString(st),
+              cudaGetErrorString(cudaGetLastError()));
+    return -1;
+  }
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    set_error("CUTLASS run failed: %s (%s)", cutlass::cutlassGetStatusString(st),
+              cudaGetErrorString(cudaGetLastError()));
+    return -1;
+  }
+  return 0;
+}
+
+// The instantiations, one translation unit per (dtype, product) so that they build in parallel.
+#define RLE_DECLARE(NAME) int64_t NAME(const rle_gemm_args* p, int cfg);
+RLE_DECLARE(gemm_bf16_nt)
+RLE_DECLARE(gemm_bf16_nn)
+RLE_DECLARE(gemm_bf16_wgrad)
+RLE_DECLARE(gemm_fp16_nt)
+RLE_DECLARE(gemm_fp16_nn)
+RLE_DECLARE(gemm_fp16_wgrad)
+#undef RLE_DECLARE
+
+}  // namespace rle

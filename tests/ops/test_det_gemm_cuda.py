@@ -1,0 +1,442 @@
+"""det_gemm's ``cuda`` provider (family ``det_gemm/cuda-sm90``).
+
+CPU (CI): the provider's refusal reasons, its opt-in resolution, the build script. GPU (an SM90
+device with ``librl_engine_sm90.so`` built, ``scripts/gpu_csrc.sh``): numerics vs float64,
+bitwise row invariance over M = 1..8192, every tile config equal, column invariance,
+determinism, backward, CUDA graphs, fused == unfused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_engine import KernelRegistry, config
+from rl_engine.ops import det_gemm, det_gemm_cat
+from rl_engine.ops.det_gemm import config as gemm_config
+from rl_engine.ops.det_gemm import cuda as gemm_cuda
+from rl_engine.registry import BackendUnavailableError
+from rl_engine.testing.invariance import assert_bitwise
+from rl_engine.testing.tolerances import assert_close, tolerance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- CPU: refusals
+
+
+@pytest.fixture
+def fresh_load():
+    """The library is looked up again (and forgotten after the test)."""
+    gemm_cuda._load.cache_clear()
+    yield
+    gemm_cuda._load.cache_clear()
+
+
+def test_refuses_other_devices():
+    prov = gemm_cuda.PROVIDER
+    assert prov.numerics == "det_gemm/cuda-sm90" and prov.invariant and prov.opt_in
+    assert "runs on ['cuda']" in prov.why_not("cpu", triton_interpret=False)
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        KernelRegistry.get_op("det_gemm", device="cpu", backend="cuda")
+
+
+def test_refuses_without_library(monkeypatch, fresh_load, tmp_path):
+    monkeypatch.setenv("RL_ENGINE_CSRC_LIB", str(tmp_path / "missing.so"))
+    config.reload()
+    reason = gemm_cuda.available("cuda", triton_interpret=False)
+    assert "is not built" in reason and "build_csrc.sh" in reason, reason
+    with pytest.raises(BackendUnavailableError, match="is not built"):
+        KernelRegistry.get_op("det_gemm", device="cuda", backend="cuda")
+
+
+def test_refuses_unloadable_library(monkeypatch, fresh_load, tmp_path):
+    bad = tmp_path / gemm_cuda.LIB_NAME
+    bad.write_bytes(b"not an ELF file")
+    monkeypatch.setenv("RL_ENGINE_CSRC_LIB", str(bad))
+    config.reload()
+    assert "cannot load" in gemm_cuda.available("cuda", triton_interpret=False)
+
+
+def test_refuses_without_cuda(monkeypatch):
+    monkeypatch.setattr(gemm_cuda, "_load", lambda: (object(), None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gemm_cuda.available("cuda", triton_interpret=False) == "no CUDA device is available"
+
+
+def test_refuses_other_gpus(monkeypatch):
+    monkeypatch.setattr(gemm_cuda, "_load", lambda: (object(), None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    reason = gemm_cuda.available("cuda", triton_interpret=False)
+    assert "needs an SM90 GPU" in reason and "sm_80" in reason, reason
+
+
+def test_pin_raises_with_the_reason(monkeypatch, fresh_load, tmp_path):
+    monkeypatch.setenv("RL_ENGINE_CSRC_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setenv("RL_ENGINE_BACKEND_DET_GEMM", "cuda")
+    config.reload()
+    with pytest.raises(BackendUnavailableError, match="configuration pin 'cuda'.*is not built"):
+        KernelRegistry.get_op("det_gemm", device="cuda")
+
+
+@pytest.fixture
+def runnable_cuda_provider():
+    """The cuda provider registered first and always available (resolution only: nothing is
+    run)."""
+    orig = gemm_cuda.PROVIDER
+    always = dataclasses.replace(orig, available=lambda device, *, triton_interpret: None)
+    KernelRegistry.register_provider(always, first=True)
+    yield always
+    KernelRegistry.register_provider(orig)  # back at the end, as det_gemm registers it
+
+
+def test_opt_in_never_chosen_by_default(runnable_cuda_provider):
+    assert KernelRegistry.providers("det_gemm", "cuda")[0].name == "cuda"
+    op = KernelRegistry.get_op("det_gemm", device="cuda")
+    assert op.provider.name != "cuda"
+
+
+def test_opt_in_chosen_by_pin(monkeypatch, runnable_cuda_provider):
+    monkeypatch.setenv("RL_ENGINE_BACKEND_DET_GEMM", "cuda")
+    config.reload()
+    op = KernelRegistry.get_op("det_gemm", device="cuda")
+    assert op.provider.name == "cuda" and op.numerics == "det_gemm/cuda-sm90"
+    rec = [r for r in KernelRegistry.report() if r["op"] == "det_gemm"]
+    assert rec and rec[0]["numerics"] == "det_gemm/cuda-sm90"
+
+
+def test_linear_logp_triton_refuses_cuda_gemm(monkeypatch, runnable_cuda_provider):
+    import importlib
+
+    ll = importlib.import_module("rl_engine.ops.linear_logp")
+
+    monkeypatch.setenv("RL_ENGINE_BACKEND_DET_GEMM", "cuda")
+    config.reload()
+    with pytest.raises(BackendUnavailableError, match="linear_logp's native provider"):
+        ll._check_gemm_family("triton", "cuda")
+    ll._check_gemm_family("native", "cuda")  # the native provider calls the resolved det_gemm
+
+
+def test_tp_provider_is_opt_in_too():
+    (tp,) = [p for p in KernelRegistry.providers("det_gemm_tp") if p.name == "cuda"]
+    assert tp.opt_in and tp.numerics == "det_gemm_tp/g8[det_gemm/cuda-sm90]"
+
+
+def test_cuda_config_table():
+    for m in (1, 64, 65, 256, 257, 8192):
+        assert gemm_config.get_cuda_config(m, 4096, 4096) in gemm_config.CUDA_CONFIGS
+    assert gemm_config.CUDA_WGRAD_CONFIG in gemm_config.CUDA_CONFIGS
+
+
+def test_build_script_present():
+    script = ROOT / "scripts" / "build_csrc.sh"
+    assert script.is_file() and os.access(script, os.X_OK)
+    text = script.read_text()
+    assert "CUTLASS_DIR" in text and "sm_90a" in text and gemm_cuda.LIB_NAME in text
+    for name in ("api.cu", "gemm_bf16.cu", "gemm_fp16.cu", "det_gemm_sm90.h"):
+        assert (ROOT / "csrc" / "det_gemm" / name).is_file(), name
+    assert (ROOT / "scripts" / "gpu_csrc.sh").is_file()
+
+
+def test_build_script_needs_cutlass(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUTLASS_DIR"}
+    env["OUT_DIR"] = str(tmp_path)
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_csrc.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0
+    assert "CUTLASS_DIR" in res.stderr or "nvcc not found" in res.stderr, res.stderr
+    assert not (tmp_path / gemm_cuda.LIB_NAME).exists()
+
+
+@pytest.fixture
+def captured_launches(monkeypatch):
+    """The 16-bit launches det_gemm[cuda] would make, with CPU tensors (nothing runs): the
+    layout decisions (product, leading dimensions, padded extents) checked without a GPU."""
+    calls = []
+
+    def fake_run16(product, cfg, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k, like):
+        calls.append(dict(product=product, cfg=cfg, lda=lda, ldb=ldb, ldd=ldd, m=m, n=n, k=k,
+                          a16=a_ptr % 16 == 0, b16=b_ptr % 16 == 0, bias=bias))  # fmt: skip
+
+    monkeypatch.setattr(gemm_cuda, "_run16", fake_run16)
+    monkeypatch.setattr(gemm_cuda, "_check_cuda", lambda *t: None)
+    monkeypatch.setattr(gemm_cuda, "_device_guard", lambda t: gemm_cuda._NO_GUARD)
+    return calls
+
+
+def test_launch_layouts(captured_launches):
+    bf = torch.bfloat16
+    a = torch.randn(5, 64).to(bf)
+    w = torch.randn(24, 64).to(bf)
+    out = gemm_cuda.det_gemm(a, w.t())  # nn.Linear: K-contiguous b, no copy
+    (c,) = captured_launches
+    assert out.shape == (5, 24)
+    assert (c["product"], c["lda"], c["ldb"], c["m"], c["n"], c["k"]) == (0, 64, 64, 5, 24, 64)
+    gemm_cuda.det_gemm(torch.randn(5, 24).to(bf), w)  # dgrad: N-contiguous b
+    assert (captured_launches[-1]["product"], captured_launches[-1]["ldb"]) == (1, 64)
+    # K and N not multiples of 8: zero-padded to 24 / 32, run as [5, 24] x [24, 32]
+    gemm_cuda.det_gemm(
+        torch.randn(5, 17).to(bf), torch.randn(17, 30).to(bf), torch.zeros(30, dtype=bf)
+    )
+    c = captured_launches[-1]
+    assert (c["product"], c["k"], c["n"], c["lda"], c["ldb"], c["ldd"]) == (0, 24, 32, 24, 24, 32)
+    # an expanded (stride 0) or misaligned operand is copied
+    gemm_cuda.det_gemm(a[:1].expand(4, 64), w.t())
+    assert captured_launches[-1]["lda"] == 64
+    flat = torch.randn(5 * 64 + 3).to(bf)
+    gemm_cuda.det_gemm(flat[3:].view(5, 64), w.t())
+    assert captured_launches[-1]["a16"]
+    for m in (1, 64, 65, 300):
+        gemm_cuda.det_gemm(torch.randn(m, 64).to(bf), w.t())
+        name = gemm_config.get_cuda_config(m, 24, 64)
+        assert captured_launches[-1]["cfg"] == name
+
+
+def test_wgrad_launch_layouts(captured_launches):
+    bf = torch.bfloat16
+    x = torch.randn(100, 20).to(bf)  # K = 20: padded to 24
+    g = torch.randn(100, 32).to(bf)
+    out = gemm_cuda.det_gemm_wgrad(x, g)
+    c = captured_launches[-1]
+    assert out.shape == (20, 32) and out.dtype == torch.float32
+    assert (c["product"], c["m"], c["n"], c["k"], c["lda"], c["ldb"]) == (2, 24, 32, 100, 24, 32)
+
+
+# --------------------------------------------------------------------------- GPU
+
+_REASON = (
+    gemm_cuda.PROVIDER.why_not("cuda", triton_interpret=False)
+    if torch.cuda.is_available()
+    else "needs a CUDA device"
+)
+gpu = pytest.mark.skipif(_REASON is not None, reason=f"det_gemm[cuda]: {_REASON}")
+
+# M thresholds of the config table (_CUDA_TABLE: 64, 256) straddled, odd counts, up to 8192
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 199, 255, 256, 257)
+ROW_COUNTS += (511, 512, 513, 1000, 1024, 2047, 2048, 4096, 4097, 8191, 8192)
+DTYPES16 = (torch.bfloat16, torch.float16)
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+
+def _gemm(a, b, bias=None):
+    return det_gemm(a, b, bias, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", (*DTYPES16, torch.float32))
+@pytest.mark.parametrize(
+    "shape", [(1, 16, 8), (33, 100, 70), (17, 760, 129), (300, 1128, 520), (64, 4096, 4096)]
+)
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_numerics_vs_float64(dtype, shape, layout):
+    m, k, n = shape
+    a = _randn(m, k, dtype=dtype, seed=m + k)
+    w = _randn(n, k, dtype=dtype, seed=n, scale=k**-0.5)
+    b = w.t() if layout == "nt" else w.t().contiguous()
+    bias = _randn(n, dtype=dtype, seed=3)
+    for bb in (None, bias):
+        out = _gemm(a, b, bb)
+        assert out.dtype == dtype and out.shape == (m, n) and out.is_contiguous()
+        ref = a.double() @ b.double() + (0 if bb is None else bb.double())
+        rtol, atol = tolerance(dtype, k=k)
+        assert_close(out, ref, rtol=rtol, atol=atol, what=f"det_gemm[cuda] {shape} {dtype}")
+
+
+@gpu
+def test_empty_and_strided():
+    a = _randn(0, 64)
+    b = _randn(64, 24)
+    assert _gemm(a, b).shape == (0, 24)
+    assert torch.equal(
+        _gemm(_randn(5, 0), _randn(0, 3)), torch.zeros(5, 3, device="cuda").bfloat16()
+    )
+    big = _randn(40, 200)
+    a = big[::2, 8:136]  # strided rows, offset columns
+    b = _randn(128, 48)
+    ref = a.double() @ b.double()
+    rtol, atol = tolerance(torch.bfloat16, k=128)
+    assert_close(_gemm(a, b), ref, rtol=rtol, atol=atol, what="strided a")
+    assert_bitwise(_gemm(a, b), _gemm(a.contiguous(), b), "strided a == contiguous a")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("kn", [(4096, 4096), (14336, 512), (760, 129)])
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_row_invariance_bitwise(dtype, kn, layout):
+    """Each row alone == inside batches of M = 1..8192 (every config threshold), bitwise."""
+    k, n = kn
+    x = _randn(max(ROW_COUNTS), k, dtype=dtype, seed=11)
+    w = _randn(n, k, dtype=dtype, seed=12, scale=k**-0.5)
+    b = w.t() if layout == "nt" else w.t().contiguous()
+    bias = _randn(n, dtype=dtype, seed=13)
+    full = _gemm(x, b, bias)
+    assert_bitwise(_gemm(x, b, bias), full, "run-to-run")
+    for m in ROW_COUNTS:
+        assert_bitwise(_gemm(x[:m], b, bias), full[:m], f"first {m} rows ({layout}, K={k}, N={n})")
+    for i in (0, 1, 4095, max(ROW_COUNTS) - 1):
+        assert_bitwise(_gemm(x[i : i + 1], b, bias), full[i : i + 1], f"row {i} alone")
+    padded = torch.cat([x[:100], torch.zeros_like(x[:29])])
+    assert_bitwise(_gemm(padded, b, bias)[:100], full[:100], "zero-padding rows")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_every_config_bitwise_equal(dtype):
+    a = _randn(1000, 4096, dtype=dtype, seed=21)
+    w = _randn(3000, 4096, dtype=dtype, seed=22, scale=4096**-0.5)
+    bias = _randn(3000, dtype=dtype, seed=23)
+    for b in (w.t(), w.t().contiguous()):
+        outs = {c: gemm_cuda.det_gemm_with_config(a, b, bias, c) for c in gemm_config.CUDA_CONFIGS}
+        first = next(iter(outs.values()))
+        for c, out in outs.items():
+            assert_bitwise(out, first, f"config {c}")
+
+
+@gpu
+def test_layouts_bitwise_equal():
+    """b K-contiguous (w.t()) and N-contiguous give the same bits (one wgmma math either way)."""
+    a = _randn(300, 4096, seed=31)
+    w = _randn(1024, 4096, seed=32, scale=4096**-0.5)
+    assert_bitwise(_gemm(a, w.t()), _gemm(a, w.t().contiguous()), "NT == NN")
+
+
+@gpu
+def test_column_invariance_and_cat():
+    a = _randn(257, 4096, seed=41)
+    w = _randn(1000, 4096, seed=42, scale=4096**-0.5)
+    full = _gemm(a, w.t())
+    for j0, j1 in ((0, 128), (5, 9), (96, 1000), (512, 777)):
+        assert_bitwise(_gemm(a, w[j0:j1].t()), full[:, j0:j1], f"columns {j0}:{j1}")
+    parts = [w[:300], w[300:701], w[701:]]
+    assert_bitwise(det_gemm_cat(a, parts, backend="cuda"), full, "det_gemm_cat == det_gemm")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", (*DTYPES16, torch.float32))
+def test_wgrad(dtype):
+    t, ko, n = 5000, 760, 1032
+    x = _randn(t, ko, dtype=dtype, seed=51)
+    g = _randn(t, n, dtype=dtype, seed=52)
+    dw = gemm_cuda.det_gemm_wgrad(x, g)
+    assert dw.dtype == torch.float32 and dw.shape == (ko, n)
+    rtol, atol = tolerance(dtype, grad=True, k=t)
+    assert_close(dw, x.double().t() @ g.double(), rtol=rtol, atol=atol, what=f"wgrad {dtype}")
+    assert_bitwise(gemm_cuda.det_gemm_wgrad(x, g), dw, "wgrad run-to-run")
+    zx, zg = torch.zeros_like(x[:77]), torch.zeros_like(g[:77])
+    padded = gemm_cuda.det_gemm_wgrad(torch.cat([x, zx]), torch.cat([g, zg]))
+    assert_bitwise(padded, dw, "wgrad with zero-padding rows")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES16)
+def test_backward(dtype):
+    w = _randn(520, 1128, dtype=dtype, seed=61, scale=1128**-0.5)
+    bias = _randn(520, dtype=dtype, seed=62)
+    x = _randn(1500, 1128, dtype=dtype, seed=63)
+    g = _randn(1500, 520, dtype=dtype, seed=64)
+
+    def grads(rows):
+        xi = x[:rows].clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        bi = bias.clone().requires_grad_(True)
+        _gemm(xi, wi.t(), bi).backward(g[:rows])
+        return xi.grad, wi.grad, bi.grad
+
+    dx, dw, db = grads(1500)
+    dx2, dw2, db2 = grads(1500)
+    for u, v, what in ((dx, dx2, "dx"), (dw, dw2, "dw"), (db, db2, "dbias")):
+        assert_bitwise(u, v, f"{what} run-to-run")
+    for rows in (1, 17, 300, 1499):
+        assert_bitwise(grads(rows)[0], dx[:rows], f"dx first {rows} rows")
+    rtol, atol = tolerance(dtype, grad=True, k=1500)
+    ref_dw = (g.double().t() @ x.double()).to(dtype)
+    assert_close(dw, ref_dw, rtol=rtol, atol=atol, what="dw vs float64")
+    assert_close(dx, g.double() @ w.double(), rtol=rtol, atol=atol, what="dx vs float64")
+
+
+@gpu
+def test_cuda_graph_capture_replay():
+    w = _randn(4096, 4096, seed=71, scale=4096**-0.5)
+    bias = _randn(4096, seed=72)
+    for m in (1, 64, 300, 2048):
+        a = _randn(m, 4096, seed=73 + m)
+        eager = _gemm(a, w.t(), bias)
+        static_a = a.clone()
+        _gemm(static_a, w.t(), bias)  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = _gemm(static_a, w.t(), bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(static_out, eager, f"graph replay M={m}")
+        a2 = _randn(m, 4096, seed=99 + m)
+        static_a.copy_(a2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(static_out, _gemm(a2, w.t(), bias), f"graph replay, new inputs M={m}")
+
+
+@gpu
+def test_linear_logp_native_equals_unfused(monkeypatch):
+    """With det_gemm pinned to cuda, linear_logp's native provider == logp(det_gemm(...))."""
+    from rl_engine.ops import linear_logp, logp
+
+    monkeypatch.setenv("RL_ENGINE_BACKEND_DET_GEMM", "cuda")
+    config.reload()
+    h = _randn(37, 1024, seed=81)
+    w = _randn(5000, 1024, seed=82, scale=1024**-0.5)
+    tok = torch.randint(0, 5000, (37,), device="cuda")
+    fused = linear_logp(h, w, tok, 0.7, backend="native")
+    unfused = logp(det_gemm(h, w.t()), tok, 0.7, backend="native")
+    assert_bitwise(fused, unfused, "linear_logp[native] == logp(det_gemm[cuda])")
+    with pytest.raises(BackendUnavailableError, match="native provider"):
+        linear_logp(h, w, tok, 0.7, backend="triton")
+
+
+@gpu
+def test_tp_shards_equal_tp1():
+    from rl_engine.ops.det_gemm import tp
+
+    a = _randn(19, 1024, seed=91)
+    b = _randn(1024, 264, seed=92)
+    full = tp.det_gemm_tp(a, b, backend="cuda")
+    for deg in (2, 4, 8):
+        k = 1024 // deg
+        subs = [
+            tp.subtree(a[:, r * k : (r + 1) * k], b[r * k : (r + 1) * k], 8 // deg, backend="cuda")
+            for r in range(deg)
+        ]
+        assert_bitwise(tp.finish(tp.combine(subs), None, a.dtype), full, f"TP {deg} shards")
+
+
+@gpu
+def test_errors():
+    a = _randn(4, 16)
+    with pytest.raises(TypeError):
+        _gemm(a, _randn(16, 8, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        _gemm(a, _randn(15, 8))
+    with pytest.raises(RuntimeError, match="CUDA only"):
+        gemm_cuda.det_gemm(a.cpu(), _randn(16, 8).cpu())
+    with pytest.raises(ValueError, match="config"):
+        gemm_cuda.det_gemm_with_config(a, _randn(16, 8), None, "huge")
+    with pytest.raises(ValueError, match="same number of rows"):
+        gemm_cuda.det_gemm_wgrad(a, _randn(5, 8))
