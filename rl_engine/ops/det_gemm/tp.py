@@ -52,6 +52,7 @@ __all__ = [
     "register_exchange",
     "tp_row_parallel",
     "subtree",
+    "subtree_per_group",
     "tp_linear",
 ]
 
@@ -131,16 +132,38 @@ def _group_order(n: int, groups: int, glu: bool) -> torch.Tensor | None:
     return idx
 
 
-def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
-            backend: str | None = None) -> torch.Tensor:  # fmt: skip
-    """fp32 tree sum of the ``groups`` group products of ``a [M, K] @ b [K, N]`` (K = ``groups``
-    equal groups, ``glu``: two halves of ``groups`` groups each). A rank passes its shard and its
-    own number of groups (``TP_GROUPS / tp``)."""
+def _check_subtree(a: torch.Tensor, b: torch.Tensor, groups: int, glu: bool) -> int:
     k = a.shape[1]
     if b.shape[0] != k:
         raise ValueError(f"det_gemm_tp: a is [{a.shape[0]}, {k}] but b is {list(b.shape)}")
     if k % (groups * (2 if glu else 1)):
         raise ValueError(f"det_gemm_tp: {k} columns do not split into {groups} groups")
+    return k
+
+
+def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
+            backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """fp32 tree sum of the ``groups`` group products of ``a [M, K] @ b [K, N]`` (K = ``groups``
+    equal groups, ``glu``: two halves of ``groups`` groups each). A rank passes its shard and its
+    own number of groups (``TP_GROUPS / tp``).
+
+    A provider with a ``tp_subtree`` entry (Triton) computes it in one launch, group products
+    and tree; otherwise :func:`subtree_per_group`. Both are the same bits (a test checks it).
+    ``out``: an fp32 ``[M, N]`` destination (e.g. the one-shot exchange's buffer)."""
+    _check_subtree(a, b, groups, glu)
+    fused = _provider(a.device, backend).extras.get("tp_subtree")
+    if fused is not None:
+        return fused(a, b, groups, glu=glu, out=out)
+    sub = subtree_per_group(a, b, groups, glu=glu, backend=backend)
+    return sub if out is None else out.copy_(sub)
+
+
+def subtree_per_group(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
+                      backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`subtree` as the numerics define it, one launch per group: each group's product
+    through the provider's ``wgrad`` entry (its fp32 product), :func:`pair_tree` over the
+    stacked products. The reference of the one-launch kernels."""
+    k = _check_subtree(a, b, groups, glu)
     order = _group_order(k, groups, glu)
     if order is not None:
         order = order.to(a.device)
