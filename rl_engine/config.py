@@ -29,6 +29,12 @@ Variables:
         refused). Unset, a TP 1 side and a TP > 1 side differ; provenance tells them apart
         (``det_gemm_tp`` resolved or not) and ``rl_engine.audit.metrics.provenance_check``
         reports the pair as a mismatch.
+    RL_ENGINE_TP_ONESHOT: ``1`` gives every TP exchange the adapters build over a CUDA process
+        group the one-shot path for small messages (``rl_engine.ops.det_gemm.oneshot``: the
+        ranks' fp32 subtrees through symmetric memory, one kernel; NCCL above
+        ``ONESHOT_MAX_BYTES``; the same bits either way). Where it cannot run the exchange's
+        construction raises with the reason. Unset / ``0``: NCCL only (the default until the
+        one-shot path is measured on GPUs).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -56,6 +62,7 @@ class Settings:
     triton_interpret: bool = False
     check_launch: bool = False
     device_checks: bool = False
+    tp_oneshot: bool = False
     tp_groups: int | None = None
 
     def pin_for(self, op_type: str) -> str | None:
@@ -93,6 +100,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         check_launch=environ.get(_PREFIX + "CHECK_LAUNCH", "0").strip().lower() in _TRUE,
         device_checks=environ.get(_PREFIX + "DEVICE_CHECKS", "0").strip().lower() in _TRUE,
         tp_groups=tp_groups,
+        tp_oneshot=environ.get(_PREFIX + "TP_ONESHOT", "0").strip().lower() in _TRUE,
     )
 
 
