@@ -19,6 +19,14 @@ Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at 
   the TP = 1 grouped product bitwise on every rank (``det_gemm_tp`` on one device; 1,021 tokens
   take the exchange's column-block path, the other counts its row blocks).
 
+* ``oneshot`` (CUDA): the one-shot exchange (``rl_engine.ops.det_gemm.oneshot``: the fp32
+  subtrees through symmetric memory, one Triton kernel) by message size down to decode sizes
+  (1 - 256 tokens x 4096), against NCCL's bf16 all-reduce and the NCCL exchange, each rank's
+  output checked against the NCCL exchange's bitwise; where the one-shot path beats the NCCL
+  exchange is the switch point (``ONESHOT_MAX_BYTES``, provisional until this runs). The layer
+  rows add ``rl_engine_per_group_*`` (the group products as one launch each: the path before the
+  one-launch kernel) and, up to 256 tokens, ``rl_engine_oneshot_*``.
+
 Times: CUDA events around ``iters`` back-to-back calls after a barrier, the slowest rank's
 median of 5 repeats (microseconds); eager (what a trainer pays, host launch cost included) and
 replayed from a CUDA graph (``*_graph_us``: GPU time only, what vLLM's CUDA graphs pay).
@@ -167,18 +175,72 @@ def _collective_case(dist, group, t, rank, dev, timers, m, hidden, ex) -> dict:
     return r
 
 
+ONESHOT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _one_shot(group, hidden, tokens):
+    """An exchange whose one-shot path takes every message up to ``max(tokens)`` rows."""
+    from rl_engine.ops.det_gemm import oneshot
+    from rl_engine.ops.det_gemm.tp import Exchange
+
+    ex = Exchange.over(group, one_shot=False)
+    ex.one_shot = oneshot.OneShot.over(group, max_bytes=4 * max(tokens) * hidden)
+    return ex
+
+
+def _oneshot_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dict]:
+    from rl_engine.ops.det_gemm.tp import Exchange
+
+    one, nccl = _one_shot(group, hidden, tokens), Exchange.over(group, one_shot=False)
+    return [_oneshot_case(dist, group, t, rank, dev, timers, m, hidden, one, nccl) for m in tokens]
+
+
+def _oneshot_case(dist, group, t, rank, dev, timers, m, hidden, one, nccl) -> dict:
+    timed, graphed = timers
+    sub = torch.randn(m, hidden, device=dev)
+    part = sub.to(torch.bfloat16)
+    same = torch.equal(one(sub, None, torch.bfloat16), nccl(sub, None, torch.bfloat16))
+    ok = torch.tensor([float(same)], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    r = {
+        "part": "oneshot",
+        "tp": t,
+        "tokens": m,
+        "hidden": hidden,
+        "fp32_bytes": 4 * m * hidden,
+        "bitwise_equal_nccl_exchange": bool(ok.item()),
+        "all_reduce_us": timed(lambda: dist.all_reduce(part, group=group)),
+        "exchange_us": timed(lambda: nccl(sub, None, torch.bfloat16)),
+        "oneshot_us": timed(lambda: one(sub, None, torch.bfloat16)),
+        "all_reduce_graph_us": graphed(lambda: dist.all_reduce(part, group=group)),
+        "exchange_graph_us": graphed(lambda: nccl(sub, None, torch.bfloat16)),
+        "oneshot_graph_us": graphed(lambda: one(sub, None, torch.bfloat16)),
+    }
+    if r["oneshot_graph_us"] and r["all_reduce_graph_us"] and r["exchange_graph_us"]:
+        r["oneshot_vs_all_reduce_graph"] = r["oneshot_graph_us"] / r["all_reduce_graph_us"]
+        r["oneshot_vs_exchange_graph"] = r["oneshot_graph_us"] / r["exchange_graph_us"]
+    if rank == 0:
+        print(f"TP {t} one-shot M={m:4d}: {r['oneshot_graph_us']} us graph "
+              f"(all-reduce {r['all_reduce_graph_us']}, NCCL exchange "
+              f"{r['exchange_graph_us']}); == NCCL exchange: "
+              f"{r['bitwise_equal_nccl_exchange']}", flush=True)  # fmt: skip
+    return r
+
+
 def _layer_rows(dist, group, t, rank, dev, timers, tokens, hidden, layers) -> list[dict]:
     from rl_engine.ops.det_gemm.tp import Exchange
 
-    ex = Exchange.over(group)
+    ex = Exchange.over(group, one_shot=False)
+    small = [m for m in tokens if m <= max(ONESHOT_TOKENS)]
+    one = _one_shot(group, hidden, small) if dev.type == "cuda" and small else None
     return [
-        _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex)
+        _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex, one)
         for name, k in layers
         for m in tokens
     ]
 
 
-def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex) -> dict:
+def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex, one=None) -> dict:
     timed, graphed = timers
     from rl_engine.ops.det_gemm import tp as tpm
 
@@ -197,8 +259,16 @@ def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex) -> di
     def ours():
         return tpm.tp_linear(xs, ws, None, parallel="row", exchange=ex, tp=t)
 
+    def per_group():  # the group products as one launch each (before the one-launch kernel)
+        return ex(tpm.subtree_per_group(xs, ws.t(), 8 // t), None, dt)
+
+    def oneshot():
+        return tpm.tp_linear(xs, ws, None, parallel="row", exchange=one, tp=t)
+
+    paths = [ours, per_group] + ([oneshot] if one is not None and m <= 256 else [])
     # every rank's output == the TP = 1 grouped product (one device), all ranks agreeing
-    ok = torch.tensor([float(torch.equal(ours(), tpm.det_gemm_tp(x, w.t())))], device=dev)
+    want = tpm.det_gemm_tp(x, w.t())
+    ok = torch.tensor([float(all(torch.equal(f(), want) for f in paths))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     same = bool(ok.item())
     r = {
@@ -214,6 +284,11 @@ def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex) -> di
     }
     r["ratio"] = r["rl_engine_us"] / r["stock_us"]
     r["stock_graph_us"], r["rl_engine_graph_us"] = graphed(stock), graphed(ours)
+    r["rl_engine_per_group_us"] = timed(per_group)
+    r["rl_engine_per_group_graph_us"] = graphed(per_group)
+    if oneshot in paths:
+        r["rl_engine_oneshot_us"] = timed(oneshot)
+        r["rl_engine_oneshot_graph_us"] = graphed(oneshot)
     if r["stock_graph_us"] and r["rl_engine_graph_us"]:
         r["graph_ratio"] = r["rl_engine_graph_us"] / r["stock_graph_us"]
     if rank == 0:
@@ -235,7 +310,7 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
     if cuda:
         tokens = (1024, 8192) if quick else (256, 1024, 4096, 8192, 16384)
         # 1021 rows do not split over the ranks: the exchange's column-block path
-        layer_tokens = (1021, 8192) if quick else (1021, 1024, 4096, 8192)
+        layer_tokens = (1, 64, 1021, 8192) if quick else (1, 16, 64, 256, 1021, 1024, 4096, 8192)
         iters = 10 if quick else 20
         hidden, layers = HIDDEN, LAYERS
     else:
@@ -249,6 +324,9 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
             timers = _timer(dist, group, cuda, iters)
             rows += _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden)
             rows += _layer_rows(dist, group, t, rank, dev, timers, layer_tokens, hidden, layers)
+            if cuda:
+                small = (1, 16, 64, 256) if quick else ONESHOT_TOKENS
+                rows += _oneshot_rows(dist, group, t, rank, dev, timers, small, hidden)
         dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -323,7 +401,18 @@ def main() -> int:
         summary[f"tp{t}_layer_vs_stock"] = common.geomean([r["ratio"] for r in lr])
         if lr and all("graph_ratio" in r for r in lr):
             summary[f"tp{t}_layer_vs_stock_graph"] = common.geomean([r["graph_ratio"] for r in lr])
+    one = [r for r in rows if r["part"] == "oneshot"]
+    for t in sorted({r["tp"] for r in one}):
+        rs = [r for r in one if r["tp"] == t and "oneshot_vs_all_reduce_graph" in r]
+        if rs:
+            summary[f"tp{t}_oneshot_vs_all_reduce_graph"] = common.geomean(
+                [r["oneshot_vs_all_reduce_graph"] for r in rs]
+            )
+            # the largest message where one-shot still beats the NCCL exchange (graph replay)
+            wins = [r["fp32_bytes"] for r in rs if r["oneshot_vs_exchange_graph"] < 1.0]
+            summary[f"tp{t}_oneshot_wins_up_to_bytes"] = max(wins) if wins else 0
     summary["layers_bitwise_equal_tp1"] = all(r["bitwise_equal_tp1"] for r in layer)
+    summary["oneshot_bitwise_equal_nccl"] = all(r["bitwise_equal_nccl_exchange"] for r in one)
     fields = {
         "ranks": ranks,
         "backend": "nccl" if args.device == "cuda" else "gloo (smoke run, not a measurement)",
@@ -334,7 +423,8 @@ def main() -> int:
         "bytes_ratio_on_paper": 1.5,
     }
     common.finish(args.out, "tp_exchange", fields, summary=summary, rows=rows, plot=plot)
-    return 0 if summary["layers_bitwise_equal_tp1"] else 1
+    ok = summary["layers_bitwise_equal_tp1"] and summary["oneshot_bitwise_equal_nccl"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ Variables:
         (a wheel built with it) then ``build/csrc/`` of the source checkout. The ``cuda``
         provider of ``det_gemm`` (family ``det_gemm/cuda-sm90``) is opt-in: pin it on every
         side with ``RL_ENGINE_BACKEND_DET_GEMM=cuda``.
+    RL_ENGINE_TP_ONESHOT: ``1`` gives every TP exchange the adapters build over a CUDA process
+        group the one-shot path for small messages (``rl_engine.ops.det_gemm.oneshot``: the
+        ranks' fp32 subtrees through symmetric memory, one kernel; NCCL above
+        ``ONESHOT_MAX_BYTES``; the same bits either way). Where it cannot run the exchange's
+        construction raises with the reason. Unset / ``0``: NCCL only (the default until the
+        one-shot path is measured on GPUs).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
 """
 
@@ -61,6 +67,7 @@ class Settings:
     triton_interpret: bool = False
     check_launch: bool = False
     device_checks: bool = False
+    tp_oneshot: bool = False
     tp_groups: int | None = None
     csrc_lib: str | None = None
 
@@ -100,6 +107,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         device_checks=environ.get(_PREFIX + "DEVICE_CHECKS", "0").strip().lower() in _TRUE,
         tp_groups=tp_groups,
         csrc_lib=environ.get(_PREFIX + "CSRC_LIB", "").strip() or None,
+        tp_oneshot=environ.get(_PREFIX + "TP_ONESHOT", "0").strip().lower() in _TRUE,
     )
 
 

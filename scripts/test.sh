@@ -17,7 +17,8 @@ IGNORE=(--ignore=tests/adapters/test_vllm_moe_ep.py)
 "$PY" -m pytest -q -p no:logging --durations=12 "${XDIST_CPU[@]}" "${IGNORE[@]}" tests "$@"
 # The interpreter suite is pure CPU compute: one pytest-xdist process per core.
 TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WORKERS:-auto}" \
-  tests/ops/test_det_gemm_triton.py tests/ops/test_det_gemm_tp.py tests/ops/test_triton_elementwise.py \
+  tests/ops/test_det_gemm_triton.py tests/ops/test_det_gemm_tp.py tests/ops/test_det_gemm_tp_triton.py \
+  tests/ops/test_triton_elementwise.py \
   tests/ops/test_ratio_kl_triton.py tests/ops/test_grpo_loss_triton.py tests/ops/test_logp_triton.py \
   tests/ops/test_sampled_logp.py \
   tests/ops/test_attention.py tests/invariance/test_attention_paths.py \

@@ -38,7 +38,9 @@ __all__ = [
     "all_configs",
     "CUDA_CONFIGS",
     "get_cuda_config",
+    "all_tp_subtree_configs",
     "get_config",
+    "get_tp_subtree_config",
     "get_wgrad_config",
 ]
 
@@ -183,6 +185,40 @@ def get_config(m: int, n: int, k: int, dtype: torch.dtype) -> DetGemmConfig:
         if m <= m_max and k >= k_min and n >= n_min and k * n <= w_max:
             return cfg
     return _table(dtype)[-1][-1]
+
+
+# The one-launch TP subtree kernel (``det_gemm_tp_subtree``): (m_max, groups_max, config), the
+# first row with M <= m_max and the rank's group count <= groups_max wins. Its adjacent-pair
+# tree keeps one fp32 tile per tree level live in registers (log2(groups) + 1 tiles), so wide
+# tiles are for few groups. Launch shape only (the test proves the configs bitwise equal);
+# PROVISIONAL: picked by the register budget, not yet tuned on a GPU
+# (benchmarks/bench_tp_exchange.py's layer rows are where to tune it).
+_TP_TABLE_16BIT: tuple[tuple[int, int, DetGemmConfig], ...] = (
+    (16, 1 << 30, _C(16, 32, 128, group_m=1, num_warps=4, num_stages=4)),
+    (64, 1 << 30, _C(64, 64, 64, group_m=1, num_warps=4, num_stages=4)),
+    (1 << 62, 2, _C(128, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+    (1 << 62, 1 << 30, _C(64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+)
+_TP_TABLE_FP32: tuple[tuple[int, int, DetGemmConfig], ...] = (
+    (16, 1 << 30, _C(16, 64, 32, group_m=1, num_warps=4, num_stages=3)),
+    (64, 1 << 30, _C(32, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+    (1 << 62, 1 << 30, _C(64, 64, 32, group_m=8, num_warps=4, num_stages=3)),
+)
+
+
+def get_tp_subtree_config(m: int, n: int, groups: int, dtype: torch.dtype) -> DetGemmConfig:
+    """The launch config of the one-launch TP subtree kernel (numerics-free)."""
+    table = _TP_TABLE_FP32 if dtype == torch.float32 else _TP_TABLE_16BIT
+    for m_max, g_max, cfg in table:
+        if m <= m_max and groups <= g_max:
+            return cfg
+    return table[-1][-1]
+
+
+def all_tp_subtree_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
+    """Every distinct config ``get_tp_subtree_config`` can return for ``dtype`` (tests)."""
+    table = _TP_TABLE_FP32 if dtype == torch.float32 else _TP_TABLE_16BIT
+    return list(dict.fromkeys(cfg for *_, cfg in table))
 
 
 def get_wgrad_config(dtype: torch.dtype) -> WgradConfig:

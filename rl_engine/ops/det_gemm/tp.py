@@ -26,6 +26,11 @@ Layouts whose TP shard is not a contiguous slice (Megatron's fused ``[gate; up]`
 ``[gate_r; up_r]`` on rank ``r``) pass ``glu=True``: group ``j`` is then gate rows ``j`` and up
 rows ``j`` (each half cut into ``G`` groups), in that order, on one rank as on ``t`` ranks.
 
+A rank's subtree is one launch where the provider has a ``tp_subtree`` entry (Triton:
+group products and tree in one kernel); :func:`subtree_per_group` is the same computation one
+launch per group (the reference). Small messages may take the one-shot exchange
+(:mod:`rl_engine.ops.det_gemm.oneshot`, ``RL_ENGINE_TP_ONESHOT``): the same bits.
+
 Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:class:`Exchange`; see
 ``docs/operators/det_gemm.md``, "Tensor parallelism").
 """
@@ -52,6 +57,7 @@ __all__ = [
     "register_exchange",
     "tp_row_parallel",
     "subtree",
+    "subtree_per_group",
     "tp_linear",
 ]
 
@@ -131,16 +137,38 @@ def _group_order(n: int, groups: int, glu: bool) -> torch.Tensor | None:
     return idx
 
 
-def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
-            backend: str | None = None) -> torch.Tensor:  # fmt: skip
-    """fp32 tree sum of the ``groups`` group products of ``a [M, K] @ b [K, N]`` (K = ``groups``
-    equal groups, ``glu``: two halves of ``groups`` groups each). A rank passes its shard and its
-    own number of groups (``TP_GROUPS / tp``)."""
+def _check_subtree(a: torch.Tensor, b: torch.Tensor, groups: int, glu: bool) -> int:
     k = a.shape[1]
     if b.shape[0] != k:
         raise ValueError(f"det_gemm_tp: a is [{a.shape[0]}, {k}] but b is {list(b.shape)}")
     if k % (groups * (2 if glu else 1)):
         raise ValueError(f"det_gemm_tp: {k} columns do not split into {groups} groups")
+    return k
+
+
+def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
+            backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """fp32 tree sum of the ``groups`` group products of ``a [M, K] @ b [K, N]`` (K = ``groups``
+    equal groups, ``glu``: two halves of ``groups`` groups each). A rank passes its shard and its
+    own number of groups (``TP_GROUPS / tp``).
+
+    A provider with a ``tp_subtree`` entry (Triton) computes it in one launch, group products
+    and tree; otherwise :func:`subtree_per_group`. Both are the same bits (a test checks it).
+    ``out``: an fp32 ``[M, N]`` destination (e.g. the one-shot exchange's buffer)."""
+    _check_subtree(a, b, groups, glu)
+    fused = _provider(a.device, backend).extras.get("tp_subtree")
+    if fused is not None:
+        return fused(a, b, groups, glu=glu, out=out)
+    sub = subtree_per_group(a, b, groups, glu=glu, backend=backend)
+    return sub if out is None else out.copy_(sub)
+
+
+def subtree_per_group(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
+                      backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`subtree` as the numerics define it, one launch per group: each group's product
+    through the provider's ``wgrad`` entry (its fp32 product), :func:`pair_tree` over the
+    stacked products. The reference of the one-launch kernels."""
+    k = _check_subtree(a, b, groups, glu)
     order = _group_order(k, groups, glu)
     if order is not None:
         order = order.to(a.device)
@@ -194,15 +222,31 @@ class Exchange:
     path's result needs no copy).
     """
 
-    def __init__(self, all_to_all=None, all_gather=None, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, all_to_all=None, all_gather=None, rank: int = 0, world: int = 1,
+                 one_shot: Any = None) -> None:  # fmt: skip
         self.all_to_all, self.all_gather = all_to_all, all_gather
         self.rank, self.world = rank, world
+        # small messages: the one-shot path (rl_engine.ops.det_gemm.oneshot.OneShot), or None
+        self.one_shot = one_shot
 
     @classmethod
-    def over(cls, group: Any) -> Exchange:
+    def over(cls, group: Any, *, one_shot: bool | None = None) -> Exchange:
         """The exchange of a ``torch.distributed`` process group (gloo or NCCL): one
-        ``all_to_all_single`` and one all-gather into a single tensor."""
+        ``all_to_all_single`` and one all-gather into a single tensor. ``one_shot`` (default:
+        ``RL_ENGINE_TP_ONESHOT``): subtrees of at most ``oneshot.ONESHOT_MAX_BYTES`` take the
+        one-shot symmetric-memory kernel instead (built once per group, a collective); raises
+        where it cannot run."""
         import torch.distributed as dist
+
+        if one_shot is None:
+            from rl_engine.config import settings
+
+            one_shot = settings().tp_oneshot
+        fast = None
+        if one_shot and dist.get_world_size(group) > 1:
+            from rl_engine.ops.det_gemm import oneshot
+
+            fast = oneshot.for_group(group)
 
         world = dist.get_world_size(group)
         # torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated there)
@@ -218,7 +262,14 @@ class Exchange:
             gather_into(out, x, group=group)
             return out
 
-        return cls(all_to_all, all_gather, dist.get_rank(group), world)
+        return cls(all_to_all, all_gather, dist.get_rank(group), world, fast)
+
+    def subtree_out(self, m: int, n: int) -> torch.Tensor | None:
+        """Where a rank's ``[m, n]`` fp32 subtree should be written: the one-shot buffer when
+        the message takes that path (no copy), else ``None`` (anywhere)."""
+        if self.one_shot is not None and self.world > 1 and self.one_shot.fits(m, n):
+            return self.one_shot.staging(m, n)
+        return None
 
     def _blocks(self, n: int, what: str) -> int:
         if n % self.world:
@@ -235,6 +286,8 @@ class Exchange:
         if self.world == 1:
             return finish(sub, bias, dtype)
         m, n = sub.shape
+        if self.one_shot is not None and self.one_shot.fits(m, n):
+            return self.one_shot(sub, bias, dtype)
         if m % self.world == 0:  # row blocks: views in, the gathered rows are the result
             return self.gather_rows(self.scatter(sub, bias, dtype))
         w = self._blocks(n, "output columns")
@@ -249,6 +302,8 @@ class Exchange:
             return finish(sub, bias, dtype)
         m, n = sub.shape
         h = self._blocks(m, "rows (tokens)")
+        if self.one_shot is not None and self.one_shot.fits(m, n):
+            return self.one_shot(sub, bias, dtype, rows=True)
         return self._own(sub.contiguous().view(self.world, h, n), bias, dtype)
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +331,8 @@ class _TPLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, parallel, groups, glu, exchange, sp, provider):
         fns = KernelRegistry.provider("det_gemm", provider)
         if parallel == "row":
-            sub = subtree(x, weight.t(), groups, backend=provider)
+            dest = exchange.subtree_out(x.shape[0], weight.shape[0])
+            sub = subtree(x, weight.t(), groups, backend=provider, out=dest)
             out = (exchange.scatter if sp else exchange)(sub, bias, x.dtype)
         else:
             if sp:
@@ -299,7 +355,8 @@ class _TPLinearFn(torch.autograd.Function):
             if parallel == "row":
                 dx = fns.fn(grad, weight, None)
             else:
-                sub = subtree(grad, weight, groups, glu=glu, backend=provider)
+                dest = exchange.subtree_out(grad.shape[0], weight.shape[1])
+                sub = subtree(grad, weight, groups, glu=glu, backend=provider, out=dest)
                 dx = (exchange.scatter if sp else exchange)(sub, None, x.dtype)
         if ctx.needs_input_grad[1]:
             dw = fns.extras["wgrad"](x, grad).t().to(weight.dtype)
@@ -388,7 +445,9 @@ def _tp_row_parallel_op(
     exchange: str,
     provider: str,
 ) -> torch.Tensor:
-    return exchange_named(exchange)(subtree(a, b, groups, backend=provider), bias, a.dtype)
+    ex = exchange_named(exchange)
+    dest = ex.subtree_out(a.shape[0], b.shape[1]) if hasattr(ex, "subtree_out") else None
+    return ex(subtree(a, b, groups, backend=provider, out=dest), bias, a.dtype)
 
 
 @_tp_row_parallel_op.register_fake

@@ -59,11 +59,12 @@ from rl_engine.ops.det_gemm.config import (
     DetGemmConfig,
     WgradConfig,
     get_config,
+    get_tp_subtree_config,
     get_wgrad_config,
 )
 from rl_engine.ops.det_gemm.reference import _check
 
-__all__ = ["PROVIDER", "det_gemm", "det_gemm_wgrad"]
+__all__ = ["PROVIDER", "det_gemm", "det_gemm_tp_subtree", "det_gemm_wgrad"]
 
 _INT32_MAX = 2**31 - 1
 # Split the weight gradient over token chunks only while the partials stay this small.
@@ -483,6 +484,128 @@ if triton is not None:
         for s in range(0, n_parts):
             total = total + tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _tp_group_product(
+        a_ptr, b_ptr, ram, rbn, rk, g, GL, HALF,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        CHUNK: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """The fp32 product of group ``g`` in the weight-gradient kernel's order (K = the
+        group's ``L`` positions): chunks of ``CHUNK`` positions from the group's start, each
+        in ``BLOCK_K`` steps into a fresh fp32 partial (masked past ``L``), the partials added
+        to a zero total in chunk order. Position ``p`` of group ``g`` is column
+        ``g * GL + p`` of the shard; ``GLU``: gate column ``g * GL + p`` for ``p < GL``, then up
+        column ``HALF + g * GL + p - GL`` (``L = 2 GL``)."""
+        if GLU:
+            length = 2 * GL
+        else:
+            length = GL
+        base = g * GL
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, length, CHUNK):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for t0 in range(c0, tl.minimum(c0 + CHUNK, length), BLOCK_K):
+                p = t0 + rk
+                if GLU:
+                    kk = tl.where(p < GL, base + p, HALF + base + p - GL)
+                else:
+                    kk = base + p
+                live = p < length
+                a = tl.load(
+                    a_ptr + ram[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=live[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_ptr + kk[:, None] * stride_bk + rbn[None, :] * stride_bn,
+                    mask=live[:, None],
+                    other=0.0,
+                )
+                part = _dot_acc(a, b, part, UPCAST, IEEE)
+            total = total + part
+        return total
+
+    @triton.jit
+    def _det_gemm_tp_subtree_kernel(
+        a_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        GL,
+        HALF,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_om,
+        stride_on,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        GROUPS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        GLU: tl.constexpr,
+        UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        # One program per output tile: the GROUPS group products of the tile (each as
+        # _tp_group_product) and their adjacent-pair tree, in registers, written once in fp32.
+        # The tree as a binary counter (static: GROUPS is a constexpr, every branch below is
+        # resolved at compile time): ``lv<l>`` holds the finished left subtree of 2^l groups
+        # waiting for its right neighbour; group g's product climbs while bit l of g is 1,
+        # ``x = lv<l> + x`` (left + right: pair_tree's order).
+        pid_m, pid_n = _grouped_tile(
+            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+        )
+        if INT64:
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        if INT64:
+            rk = rk.to(tl.int64)
+        ram = rm % M
+        rbn = rn % N
+        lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        lv1 = lv0
+        lv2 = lv0
+        lv3 = lv0
+        lv4 = lv0
+        x = lv0
+        for g in tl.static_range(GROUPS):
+            x = _tp_group_product(
+                a_ptr, b_ptr, ram, rbn, rk, g, GL, HALF,
+                stride_am, stride_ak, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, GLU, UPCAST, IEEE,
+            )  # fmt: skip
+            if g % 2 == 0:
+                lv0 = x
+            else:
+                x = lv0 + x
+                if (g // 2) % 2 == 0:
+                    lv1 = x
+                else:
+                    x = lv1 + x
+                    if (g // 4) % 2 == 0:
+                        lv2 = x
+                    else:
+                        x = lv2 + x
+                        if (g // 8) % 2 == 0:
+                            lv3 = x
+                        else:
+                            x = lv3 + x
+                            if (g // 16) % 2 == 0:
+                                lv4 = x
+                            else:
+                                x = lv4 + x
+        o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
+        tl.store(o_ptrs, x, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def _kernel(name: str, device: torch.device) -> Any:
@@ -977,11 +1100,112 @@ def det_gemm_wgrad(
     )
 
 
+# Groups of the one-launch subtree kernel: its pair tree holds one register tile per level.
+_TP_MAX_GROUPS = 32
+
+
+def det_gemm_tp_subtree(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    groups: int,
+    *,
+    glu: bool = False,
+    out: torch.Tensor | None = None,
+    cfg: DetGemmConfig | None = None,
+) -> torch.Tensor:
+    """One rank's fp32 subtree of the TP-invariant reduction in one launch: the ``groups``
+    group products of ``a [M, K] @ b [K, N]`` and their adjacent-pair tree.
+
+    The bits of ``tp.subtree_per_group`` with this provider (one :func:`det_gemm_wgrad`
+    launch per group, ``torch.stack`` and :func:`rl_engine.ops.det_gemm.tp.pair_tree`): each
+    group product in the weight-gradient kernel's order (``WGRAD_CHUNK`` chunks of the group,
+    each into a fresh fp32 partial, partials in chunk order), the tree's adds in its order.
+    ``cfg`` is a launch shape only (``get_tp_subtree_config``).
+
+    Args:
+        a: [M, K] (K = ``groups`` equal groups; ``glu``: two halves of ``groups`` each, group
+            ``j`` = gate block ``j`` then up block ``j``), any strides.
+        b: [K, N], same dtype, any strides.
+        groups: this rank's group count, a power of two <= 32.
+        out: optional fp32 [M, N] destination (e.g. a symmetric-memory buffer).
+    Returns:
+        fp32 [M, N] (``out`` when given).
+    """
+    _check_device(a)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"det_gemm_tp_subtree: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply"
+        )
+    if a.dtype != b.dtype or a.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"det_gemm_tp_subtree: dtypes {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"det_gemm_tp_subtree: a on {a.device}, b on {b.device}")
+    if groups < 1 or groups & (groups - 1) or groups > _TP_MAX_GROUPS:
+        raise ValueError(
+            f"det_gemm_tp_subtree: {groups} groups; expected a power of two <= {_TP_MAX_GROUPS}"
+        )
+    m, k = a.shape
+    n = b.shape[1]
+    unit = groups * (2 if glu else 1)
+    if k % unit:
+        raise ValueError(f"det_gemm_tp_subtree: {k} columns do not split into {unit} blocks")
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    elif (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (m, n)
+        or out.dtype != torch.float32
+        or out.device != a.device
+    ):
+        raise ValueError(f"det_gemm_tp_subtree: out must be fp32 [{m}, {n}] on {a.device}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    on_cpu = a.device.type == "cpu"
+    cfg = cfg or get_tp_subtree_config(m, n, groups, a.dtype)
+    if on_cpu:
+        cfg = cfg.for_interpreter()
+    if WGRAD_CHUNK % cfg.block_k:
+        raise ValueError(f"det_gemm_tp_subtree: block_k={cfg.block_k} must divide {WGRAD_CHUNK}")
+    gl = k // unit
+    grid = (_tr.cdiv(m, cfg.block_m) * _tr.cdiv(n, cfg.block_n),)
+    with _guard(a):
+        _kernel("_det_gemm_tp_subtree_kernel", a.device)[grid](
+            a,
+            b,
+            out,
+            m,
+            n,
+            gl,
+            k // 2,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            GROUPS=groups,
+            CHUNK=WGRAD_CHUNK,
+            GLU=glu,
+            UPCAST=on_cpu and a.dtype != torch.float32,
+            IEEE=a.dtype == torch.float32 or on_cpu,
+            INT64=_needs_int64(a, b, out),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return out
+
+
 PROVIDER = _tr.triton_provider(
     op="det_gemm",
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
     # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096
     version="3",
-    extras={"wgrad": det_gemm_wgrad},
+    extras={"wgrad": det_gemm_wgrad, "tp_subtree": det_gemm_tp_subtree},
 )
