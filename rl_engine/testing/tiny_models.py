@@ -186,3 +186,29 @@ def family_config(
         "rope_theta": family["rope_theta"],
         "max_position_embeddings": max_positions,
     }
+
+
+def make_tiny_tokenizer(path: str | os.PathLike[str], vocab_size: int = 512) -> str:
+    """Write a word-level tokenizer for a tiny model folder (no downloads) and return the path.
+
+    Token ``i`` is the word ``t<i>`` (``"t17 t400"`` -> ``[17, 400]``), 0 / 1 / 2 are
+    ``<pad>`` / ``<s>`` / ``</s>`` (the tiny models' bos / eos ids). For frameworks that take
+    text prompts (TRL) and a vLLM engine built with its tokenizer.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"t{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+    )
+    path = os.fspath(path)
+    fast.save_pretrained(path)
+    return path

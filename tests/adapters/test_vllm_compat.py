@@ -124,6 +124,24 @@ def test_backend_declares_cudagraph_support_and_registry_entries(clean):
         _persistent_int32("seq_lens", torch.empty(4, dtype=torch.int64, device="meta"))
 
 
+def test_apply_and_remove_forget_resolved_attention_classes(clean):
+    """vLLM caches the attention class per (backend, layer config): an engine built after
+    apply() / remove() in the same process (TRL's colocated engine after a stock one) must get
+    the class the registry names now, not the one an earlier engine got."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    from rl_engine.adapters.vllm.attention import RLEngineAttentionBackend
+
+    with set_current_vllm_config(VllmConfig()):
+        stock = get_attn_backend(32, torch.bfloat16, "auto")
+        assert stock is not RLEngineAttentionBackend
+        adapter.apply()
+        assert get_attn_backend(32, torch.bfloat16, "auto") is RLEngineAttentionBackend
+        adapter.remove()
+        assert get_attn_backend(32, torch.bfloat16, "auto") is stock
+
+
 # ------------------------------------------------------------------------------ warnings
 def _capture_warnings(monkeypatch):
     from rl_engine.adapters.vllm import patches

