@@ -333,6 +333,6 @@ def test_bad_chunk_config_raises(monkeypatch):
 
 
 def test_self_test():
-    from rl_engine.ops.linear_logp import self_test
+    from rl_engine.selftest import self_test
 
-    self_test("cpu")
+    self_test("linear_logp", "cpu")

@@ -141,20 +141,3 @@ register_op(
 
 # The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of weights, ids and dlogits; the tie rule (``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for scoring, renorm in (("softmax", True), ("softmax", False), ("topk_softmax", False)):
-        x = torch.randn(45, 16, generator=g).to(device=device, dtype=torch.bfloat16)
-
-        def fwd(t, scoring=scoring, renorm=renorm):
-            w, ids = moe_topk(t, 4, scoring=scoring, renormalize=renorm)
-            return torch.cat([w, ids.float()], dim=1)
-
-        check_row_invariance(fwd, x, counts=(1, 17, 33), what=f"moe_topk {scoring}")
-    tie = torch.zeros(1, 8, device=device)
-    assert_bitwise(moe_topk(tie, 3)[1], torch.tensor([[0, 1, 2]], device=device), "tie rule")
