@@ -77,7 +77,7 @@ ROWS = [
                                                "h200/tp_run1/vllm_tp.json",
                                                "h100/tp_exchange.json"],
          [OPS + "det_gemm", "rl_engine/parallel.py", "rl_engine/adapters",
-          "rl_engine/testing/tp_check.py", "rl_engine/testing/vllm_tp_check.py",
+          "rl_engine/harness/tp_check.py", "rl_engine/harness/vllm_tp_check.py",
           "benchmarks/bench_tp_exchange.py"]),
     _row("rollout throughput vs stock vLLM", ["h100/rollout.json", "h200/rollout.json"],
          [*ENGINES, "benchmarks/bench_rollout.py"]),

@@ -20,7 +20,7 @@ import trainer_cases as tc  # noqa: E402
 
 from rl_engine.adapters.megatron import UnsupportedNumericsError  # noqa: E402
 from rl_engine.adapters.megatron.loader import shard_state  # noqa: E402
-from rl_engine.testing import tp_check  # noqa: E402
+from rl_engine.harness import tp_check  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
 SHAPE = tc.tiny_shape(hidden=64, heads=8, kv_heads=4, head_dim=16)
