@@ -27,7 +27,7 @@ Variables:
         ``8`` = on at every degree, TP = 1 included (set it on every side: the
         rollout and the trainers at TP 1, 2, 4, 8 then agree bitwise); ``0`` = off (TP > 1 is
         refused). Unset, a TP 1 side and a TP > 1 side differ; provenance tells them apart
-        (``det_gemm_tp`` resolved or not) and ``rl_engine.audit.metrics.provenance_check``
+        (``det_gemm_tp`` resolved or not) and ``rl_engine.drift.metrics.provenance_check``
         reports the pair as a mismatch.
     RL_ENGINE_CSRC_LIB: path of the CUDA C++ library (``librl_engine_sm90.so``, built by
         ``scripts/build_csrc.sh``) that the ``cuda`` providers load; unset: ``rl_engine/_lib/``

@@ -21,9 +21,9 @@ from typing import Any
 
 from rl_engine import _cli_common
 from rl_engine.audit import plots  # imports matplotlib only when it draws, after the numbers
-from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
 from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
-from rl_engine.rl.engines import WorkerError, run_worker, worker_env
+from rl_engine.drift.metrics import compare, fmt_delta, provenance_check
+from rl_engine.engines import WorkerError, run_worker, worker_env
 
 # report.json layout version: bumped when a field changes meaning or goes away
 # (3: one rollout engine per configuration; runs[].seconds became runs[].rollout_seconds, the

@@ -709,7 +709,7 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
     gradient bitwise equal to the first pass."""
     import tempfile
 
-    from rl_engine.rl.engines import load_trainer
+    from rl_engine.engines import load_trainer
     from rl_engine.testing.tiny_models import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rl_engine import _cli_common
-from rl_engine.audit.metrics import fmt_delta
-from rl_engine.rl.engines import ENGINES, TRAINERS, WorkerError, run_worker, worker_env
+from rl_engine.drift.metrics import fmt_delta
+from rl_engine.engines import ENGINES, TRAINERS, WorkerError, run_worker, worker_env
 
 
 class GRPOInputError(ValueError):

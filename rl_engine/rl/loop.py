@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from rl_engine import engines
 from rl_engine._cli_common import write_json_atomic
-from rl_engine.rl import engines, rewards
+from rl_engine.rl import rewards
 from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
 
 __all__ = ["GRPOConfig", "group_advantages", "run"]
@@ -130,7 +131,7 @@ def run(
     """
     from vllm import SamplingParams
 
-    from rl_engine.audit.metrics import compare
+    from rl_engine.drift.metrics import compare
     from rl_engine.ops import grpo_loss
 
     emit = on_event or (lambda event: None)
@@ -185,7 +186,7 @@ def run(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
 
-    from rl_engine.audit.monitor import DriftMonitor
+    from rl_engine.drift.monitor import DriftMonitor
 
     monitor = DriftMonitor()
     records = []
