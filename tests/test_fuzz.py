@@ -222,6 +222,7 @@ def test_oom_is_retried_alone_and_other_errors_are_not(monkeypatch, tmp_path):
     ``RuntimeError: ... out of memory``) runs again, holding the shards' lock exclusively; any
     other error stands at once."""
     monkeypatch.setenv(fuzz._LOCK_ENV, str(tmp_path / "gpu0.lock"))
+    config.reload()  # the conftest fixture re-reads the environment after the test
     monkeypatch.setattr(fuzz, "_SHARD_LOCK", None)
     calls = []
 
@@ -266,6 +267,7 @@ def test_a_retry_waits_for_the_running_cases(tmp_path, monkeypatch):
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "in"  # the other shard's case is running
     monkeypatch.setenv(fuzz._LOCK_ENV, lock)
+    config.reload()
     t0 = time.perf_counter()
     fuzz._ShardLock().run(lambda: None, alone=True)
     waited = time.perf_counter() - t0

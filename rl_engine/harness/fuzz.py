@@ -618,7 +618,9 @@ class _ShardLock:
     process) both are no-ops."""
 
     def __init__(self) -> None:
-        path = os.environ.get(_LOCK_ENV)
+        from rl_engine.config import settings
+
+        path = settings().fuzz_lock
         self._fds = None
         if path:
             self._fds = (os.open(path + ".gate", os.O_CREAT | os.O_RDWR),

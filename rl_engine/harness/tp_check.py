@@ -13,7 +13,6 @@ reduction too). Prints one line per degree and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,19 +34,16 @@ def batch(vocab: int, lengths=(7, 12, 4, 9)) -> tuple[torch.Tensor, torch.Tensor
 def _worker(
     rank: int, world: int, store: str, model: str, dtype: str, out: str, groups: str, sp: bool
 ) -> None:
-    if groups:
-        os.environ["RL_ENGINE_TP_GROUPS"] = groups
-    else:
-        os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+    from rl_engine.config import set_env
+
+    set_env({"RL_ENGINE_TP_GROUPS": groups})
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
     from rl_engine.adapters.megatron import from_pretrained, token_logprobs
     from rl_engine.adapters.megatron.cpu_shim import install
-    from rl_engine.config import reload
     from rl_engine.harness._spawn import init
 
-    reload()
     dist = init(rank, world, store)
     parallel_state.initialize_model_parallel(world, 1)
     install()

@@ -27,6 +27,7 @@ import torch
 
 from rl_engine import engines
 from rl_engine._cli_common import write_json_atomic
+from rl_engine.config import settings
 from rl_engine.rl import rewards
 from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
 
@@ -135,11 +136,12 @@ def run(
     from rl_engine.ops import grpo_loss
 
     emit = on_event or (lambda event: None)
-    if cfg.engine == "rl_engine" and os.environ.get("RL_ENGINE_VLLM") != "1":
+    plugin = settings().vllm_plugin
+    if cfg.engine == "rl_engine" and not plugin:
         raise RuntimeError(
             "engine='rl_engine' needs the vLLM plugin: start the process with RL_ENGINE_VLLM=1"
         )
-    if cfg.engine == "stock" and os.environ.get("RL_ENGINE_VLLM") == "1":
+    if cfg.engine == "stock" and plugin:
         raise RuntimeError("engine='stock' must run without the vLLM plugin (RL_ENGINE_VLLM=1)")
     with open(os.path.join(cfg.model, "config.json")) as f:
         hf_cfg = json.load(f)
