@@ -195,8 +195,7 @@ def _resolve_device(device: str) -> str:
 def _validate(
     args: argparse.Namespace, workdir: str
 ) -> tuple[str, dict[str, Any], list[list[int]]]:
-    if args.temperature <= 0:
-        raise AuditInputError(f"--temperature must be > 0, got {args.temperature}")
+    _cli_common.check_temperature(args.temperature, AuditInputError)
     if args.num_prompts < 1 or args.max_tokens < 1:
         raise AuditInputError("--num-prompts and --max-tokens must be >= 1")
     try:

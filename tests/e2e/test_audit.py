@@ -86,6 +86,7 @@ def test_audit_default_megatron(tmp_path):
         (["--prompts", "/no/such/file.jsonl"], "prompt file not found"),
         (["--max-tokens", "5000"], "exceeds the model's context"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "nan"], "--temperature must be > 0, got nan"),
         (["--tensor-parallel-size", "3"], "expected 1, 2, 4 or 8"),
         (["--tensor-parallel-size", "2", "--localize"], "it needs --tensor-parallel-size 1"),
         (["--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
