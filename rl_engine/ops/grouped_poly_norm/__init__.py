@@ -75,7 +75,11 @@ def grouped_poly_norm(
     """``poly_norm(gate[n]) * up[n]`` with the weights of row ``n``'s expert.
 
     Args:
-        gate, up: [N, D] rows; weight: [E, 3]; bias: [E, 1]; expert_ids: [N] int.
+        gate: [N, D] rows.
+        up: [N, D] rows (the same N, D and dtype as ``gate``).
+        weight: [E, 3], one row per expert.
+        bias: [E, 1].
+        expert_ids: [N] int, the expert of each row.
         eps: added to each mean square.
         backend: pin a provider for this call (raises when it cannot run).
 

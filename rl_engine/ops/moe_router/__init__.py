@@ -113,8 +113,11 @@ def moe_router(
     Args:
         hidden: [T, H] hidden rows.
         gate_weight: [E, H] router weight (``nn.Linear`` layout).
-        top_k, scoring, renormalize, backend: as :func:`moe_topk` (``backend`` pins the top-k
-            provider; the GEMM resolves ``det_gemm``'s own).
+        top_k: as :func:`moe_topk`.
+        scoring: as :func:`moe_topk`.
+        renormalize: as :func:`moe_topk`.
+        backend: pins the top-k provider (as :func:`moe_topk`); the GEMM resolves
+            ``det_gemm``'s own.
 
     Returns:
         ``(weights [T, k] fp32, ids [T, k] int64, logits [T, E] in hidden.dtype)``.

@@ -114,8 +114,14 @@ def rope_qk(
     one launch and evaluates the cos / sin tables once per token.
 
     Args:
-        q: [T, Hq, D]; k: [T, Hk, D] (same T, D and dtype).
-        positions, theta, rotary_dim, is_neox, scaling, backend: as :func:`rope`.
+        q: [T, Hq, D].
+        k: [T, Hk, D] (the same T, D and dtype as ``q``).
+        positions: as :func:`rope`.
+        theta: as :func:`rope`.
+        rotary_dim: as :func:`rope`.
+        is_neox: as :func:`rope`.
+        scaling: as :func:`rope`.
+        backend: as :func:`rope`.
 
     Returns:
         ``(q_rotated, k_rotated)``, each in the input's shape and dtype.
