@@ -163,10 +163,15 @@ def set_env(variables: Mapping[str, str | None]) -> Settings:
 
 @contextlib.contextmanager
 def override_env(variables: Mapping[str, str | None]) -> Iterator[Settings]:
-    """:func:`set_env` for the block: the previous values restored (and the configuration
-    re-read) on exit."""
+    """:func:`set_env` for the block: the previous values restored exactly (and the
+    configuration re-read) on exit."""
     saved = {name: os.environ.get(name) for name in variables}
     try:
         yield set_env(variables)
     finally:
-        set_env(saved)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reload()

@@ -22,6 +22,10 @@ def test_override_env_sets_rereads_and_restores(monkeypatch):
     with config.override_env({"RL_ENGINE_TP_GROUPS": ""}):  # "" unsets
         assert "RL_ENGINE_TP_GROUPS" not in os.environ and config.settings().tp_groups is None
     assert config.settings().tp_groups == 0
+    monkeypatch.setenv("RL_ENGINE_FUZZ_LOCK", "")  # set but empty: restored as it was
+    with config.override_env({"RL_ENGINE_FUZZ_LOCK": "/tmp/y"}):
+        assert config.settings().fuzz_lock == "/tmp/y"
+    assert os.environ["RL_ENGINE_FUZZ_LOCK"] == "" and config.settings().fuzz_lock is None
 
 
 def test_set_env_takes_only_its_own_variables():
