@@ -197,7 +197,8 @@ def test_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     """report.json and report.md are on disk before the plot is tried; a failing plot warns."""
     import argparse
 
-    from rl_engine.audit import cli, metrics, plots
+    from rl_engine.audit import cli, plots
+    from rl_engine.drift import metrics
 
     m = metrics.compare([[-1.0, -2.0]], [[-1.0, -2.5]])
     m["runs"] = [
