@@ -10,6 +10,8 @@ import each other. Also: ``rl_engine/config.py`` is the only module that reads a
 ``RL_ENGINE_*`` environment variable (setting one, for this process or a child's ``env``, is
 fine).
 
+And every ``rl_engine`` import names a module that exists (what a move leaves behind).
+
 The checker is plain functions over ``{module name: source}``, so the last tests feed it
 synthetic violations and check that it reports them.
 """
@@ -189,7 +191,25 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
     return out
 
 
+def missing_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every ``rl_engine`` import (as :func:`_imports` reads them) of a module that is not in
+    ``sources``: what a move left behind."""
+    known = set(sources)
+    out = []
+    for module, (source, is_pkg) in sorted(sources.items()):
+        tree = ast.parse(source, filename=module)
+        for line, target in _imports(tree, module, is_pkg, known):
+            if target not in known:
+                out.append(f"{module}:{line} imports {target}, which does not exist")
+    return out
+
+
 # ------------------------------------------------------------------------------ the package
+def test_every_import_names_an_existing_module():
+    problems = missing_imports(package_sources())
+    assert not problems, "\n".join(problems)
+
+
 def test_the_package_keeps_its_layers():
     sources = package_sources()
     assert "rl_engine.ops.det_gemm" in sources and "rl_engine.config" in sources
@@ -252,6 +272,15 @@ def test_an_import_violation_is_reported(module, source, imported):
 )
 def test_allowed_imports_are_not_reported(source):
     assert _one("rl_engine.ops.fake", source, is_pkg=True) == []
+
+
+def test_an_import_of_a_moved_module_is_reported():
+    base = {"rl_engine": ("", True), "rl_engine.drift": ("", True)}
+    src = "def f():\n    from rl_engine.audit.monitor import DriftMonitor\n"
+    (problem,) = missing_imports({**base, "rl_engine.integrations.x": (src, False)})
+    assert "rl_engine.integrations.x:2 imports rl_engine.audit.monitor, which does not" in problem
+    ok = "from rl_engine.drift import DriftMonitor\nfrom rl_engine import drift\n"
+    assert missing_imports({**base, "rl_engine.integrations.x": (ok, False)}) == []
 
 
 def test_a_module_outside_every_layer_is_reported():
