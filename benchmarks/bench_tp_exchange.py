@@ -301,7 +301,7 @@ def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex, one=N
 
 
 def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
-    from rl_engine.testing._spawn import init
+    from rl_engine.harness._spawn import init
 
     dist = init(rank, world, store)
     cuda = torch.cuda.is_available()
@@ -370,7 +370,7 @@ def main() -> int:
         p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
-    from rl_engine.testing._spawn import spawn
+    from rl_engine.harness._spawn import spawn
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ranks = args.ranks or (min(gpus, 8) if args.device == "cuda" else 2)

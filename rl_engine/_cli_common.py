@@ -5,6 +5,7 @@ processes (:mod:`rl_engine.audit.worker`, :mod:`rl_engine.rl.loop`)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -62,6 +63,14 @@ def check_architectures(archs: list[str], error: type[Exception], where: str = "
             f"unsupported architecture {archs or '(none given)'}{where}; supported: "
             f"{', '.join(SUPPORTED_ARCHS)}"
         )
+
+
+def check_temperature(value: float, error: type[Exception]) -> None:
+    """Raise ``error`` unless ``--temperature`` is finite and > 0: the one check of a CLI's
+    temperature, before any worker starts (inside, the ops' public entries check it once more
+    for library callers and trust it from there)."""
+    if not (value > 0 and math.isfinite(value)):
+        raise error(f"--temperature must be > 0, got {value}")
 
 
 def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: str) -> None:

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 
-from rl_engine.registry import _OP_MODULES, KernelRegistry
+from rl_engine.registry import KernelRegistry
+from rl_engine.selftest import SELF_TESTS
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -25,8 +25,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"{op_type:<18} {'-':<10} {'-':<30} UNAVAILABLE: {exc}")
             failures += 1
             continue
-        module = importlib.import_module(_OP_MODULES[op_type])
-        test = getattr(module, "self_test", None)
+        test = SELF_TESTS.get(op_type)
         if test is None:
             status = "FAIL: no self-test"
             failures += 1

@@ -27,7 +27,7 @@ Variables:
         ``8`` = on at every degree, TP = 1 included (set it on every side: the
         rollout and the trainers at TP 1, 2, 4, 8 then agree bitwise); ``0`` = off (TP > 1 is
         refused). Unset, a TP 1 side and a TP > 1 side differ; provenance tells them apart
-        (``det_gemm_tp`` resolved or not) and ``rl_engine.audit.metrics.provenance_check``
+        (``det_gemm_tp`` resolved or not) and ``rl_engine.drift.metrics.provenance_check``
         reports the pair as a mismatch.
     RL_ENGINE_CSRC_LIB: path of the CUDA C++ library (``librl_engine_sm90.so``, built by
         ``scripts/build_csrc.sh``) that the ``cuda`` providers load; unset: ``rl_engine/_lib/``
@@ -40,13 +40,21 @@ Variables:
         ``ONESHOT_MAX_BYTES``; the same bits either way). Where it cannot run the exchange's
         construction raises with the reason. Unset / ``0``: NCCL only (the default until the
         one-shot path is measured on GPUs).
+    RL_ENGINE_FUZZ_LOCK: set by ``python -m rl_engine.harness.fuzz --workers N`` in its shard
+        processes: the lock file the shards on one GPU share (not for users).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
+
+Code that needs one of these in another process sets it in that process's environment (a
+child's ``env``, or :func:`set_env` / :func:`override_env` here before spawning); only this
+module reads them (``tests/test_layers.py`` checks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 _PREFIX = "RL_ENGINE_"
@@ -70,6 +78,7 @@ class Settings:
     tp_oneshot: bool = False
     tp_groups: int | None = None
     csrc_lib: str | None = None
+    fuzz_lock: str | None = None
 
     def pin_for(self, op_type: str) -> str | None:
         """The provider pinned for ``op_type`` by configuration, or ``None``."""
@@ -108,6 +117,7 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         tp_groups=tp_groups,
         csrc_lib=environ.get(_PREFIX + "CSRC_LIB", "").strip() or None,
         tp_oneshot=environ.get(_PREFIX + "TP_ONESHOT", "0").strip().lower() in _TRUE,
+        fuzz_lock=environ.get(_PREFIX + "FUZZ_LOCK") or None,
     )
 
 
@@ -136,3 +146,32 @@ def set_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r}: expected one of {_MODES}")
     current = settings()
     _settings = dataclasses.replace(current, mode=mode, op_backends=dict(current.op_backends))
+
+
+def set_env(variables: Mapping[str, str | None]) -> Settings:
+    """Set (a string) or unset (``None`` or ``""``) ``RL_ENGINE_*`` variables in this process's
+    environment, so that processes it starts inherit them, and re-read the configuration."""
+    for name, value in variables.items():
+        if not name.startswith(_PREFIX):
+            raise ValueError(f"{name!r}: not an {_PREFIX}* variable")
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+    return reload()
+
+
+@contextlib.contextmanager
+def override_env(variables: Mapping[str, str | None]) -> Iterator[Settings]:
+    """:func:`set_env` for the block: the previous values restored exactly (and the
+    configuration re-read) on exit."""
+    saved = {name: os.environ.get(name) for name in variables}
+    try:
+        yield set_env(variables)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reload()

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
     Args:
         hidden_size: H, the size of the normalised (last) dim.
         eps: added to the mean square.
-        device, dtype: of the ``weight`` parameter (initialised to ones).
+        device: of the ``weight`` parameter (initialised to ones).
+        dtype: of the ``weight`` parameter.
         backend: pin a provider (default: the registry's resolution).
 
     ``forward(x)`` maps [..., H] -> [..., H]; ``forward(x, residual)`` returns
@@ -70,7 +71,8 @@ class Linear(nn.Module):
         in_features: size of the last dim of the input.
         out_features: size of the last dim of the output.
         bias: whether to add a learnable bias [out_features].
-        device, dtype: of the parameters (initialised like ``torch.nn.Linear``).
+        device: of the parameters (initialised like ``torch.nn.Linear``).
+        dtype: of the parameters.
         backend: pin a provider (default: the registry's resolution).
 
     ``forward`` maps [..., in_features] -> [..., out_features]; the input must have the

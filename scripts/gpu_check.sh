@@ -78,7 +78,7 @@ if [ "${SKIP_FUZZ:-0}" = "0" ]; then
   # forward + backward; a failure prints its one-line reproducer
   echo "== fuzz: ${FUZZ_CASES:-10000} cases (budget ${FUZZ_BUDGET:-480} s, ${FUZZ_WORKERS:-1} workers, seed ${FUZZ_SEED:-0}) =="
   extras=(--extras); [ "${FUZZ_EXTRAS:-1}" = "1" ] || extras=()
-  timeout "$(( ${FUZZ_BUDGET:-480} + 240 ))" $PY -m rl_engine.testing.fuzz --device cuda \
+  timeout "$(( ${FUZZ_BUDGET:-480} + 240 ))" $PY -m rl_engine.harness.fuzz --device cuda \
     --cases "${FUZZ_CASES:-10000}" --budget "${FUZZ_BUDGET:-480}" "${extras[@]}" \
     --workers "${FUZZ_WORKERS:-1}" --seed "${FUZZ_SEED:-0}" \
     --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1

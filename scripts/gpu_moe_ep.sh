@@ -2,8 +2,8 @@
 # Expert-parallel degree invariance of a Qwen3-MoE-shaped model on GPUs (issue 43), NCCL, CUDA
 # graphs on:
 #   * vLLM at TP t with enable_expert_parallel (EP = t) == TP 1 == the HF trainer, bitwise
-#     (rl_engine.testing.vllm_tp_check --ep), with the stock control (plugin off: TP t + EP vs 1);
-#   * the Megatron trainer, EP 1 vs EP 2 (and 4) (rl_engine.testing.ep_check).
+#     (rl_engine.harness.vllm_tp_check --ep), with the stock control (plugin off: TP t + EP vs 1);
+#   * the Megatron trainer, EP 1 vs EP 2 (and 4) (rl_engine.harness.ep_check).
 # Needs CUDA vLLM 0.24 with its MoE kernels (the --moe payload, for the stock control) in
 # /tmp/vllm_site and megatron-core in /tmp/site (scripts/gpu_vllm.sh installs both).
 #   EP_DEGREES="2" MEGATRON_EP=1,2 OUT=/tmp/out bash scripts/gpu_moe_ep.sh
@@ -28,7 +28,7 @@ first=1
 for t in ${EP_DEGREES:-2}; do
   devs=$(seq -s, 0 $((t - 1)))
   echo "-- vLLM TP $t + EP on GPUs $devs"
-  CUDA_VISIBLE_DEVICES=$devs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.testing.vllm_tp_check \
+  CUDA_VISIBLE_DEVICES=$devs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.vllm_tp_check \
     --model $MODEL --tp "$t" --ep --control --json "$OUT/vllm_ep$t.json" > "$OUT/vllm_ep$t.log" 2>&1 &
   pids+=($!)
   if [ "$first" = 1 ] && [ -n "${MEGATRON_EP:-}" ]; then
@@ -37,7 +37,7 @@ for t in ${EP_DEGREES:-2}; do
     if [ $((t + need)) -le "$NGPU" ]; then
       mdevs=$(seq -s, "$t" $((t + need - 1)))
       echo "-- Megatron EP $MEGATRON_EP on GPUs $mdevs"
-      CUDA_VISIBLE_DEVICES=$mdevs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.testing.ep_check \
+      CUDA_VISIBLE_DEVICES=$mdevs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.ep_check \
         --model $MODEL --ep "$MEGATRON_EP" --device cuda --dtype bfloat16 > "$OUT/megatron_ep.log" 2>&1 &
       pids+=($!)
     else

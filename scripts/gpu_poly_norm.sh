@@ -16,6 +16,6 @@ xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
 RL_ENGINE_CHECK_LAUNCH=1 timeout "${TEST_TIMEOUT:-70}" python3 -m pytest -q -p no:cacheprovider \
   tests/ops/test_poly_norm.py tests/test_fuzz.py -k "poly" "${xdist[@]}" -rfEs > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -3 "$OUT/pytest.log"
-timeout "${FUZZ_TIMEOUT:-60}" python3 -m rl_engine.testing.fuzz --device cuda --ops poly_norm \
+timeout "${FUZZ_TIMEOUT:-60}" python3 -m rl_engine.harness.fuzz --device cuda --ops poly_norm \
   --cases 400 --budget 40 --workers 8 --json "$OUT/fuzz_poly_norm.json" > "$OUT/fuzz.log" 2>&1
 echo "fuzz exit $?"; tail -4 "$OUT/fuzz.log"

@@ -37,11 +37,11 @@ step() {
 if [ "${VLLM_TP:-0}" = "1" ]; then
   for t in ${TP_DEGREES//,/ }; do
     [ "$t" = 1 ] && continue
-    step $PY -m rl_engine.testing.vllm_tp_check --model $MODEL --tp "$t" --control --json "$OUT/vllm_tp$t.json"
+    step $PY -m rl_engine.harness.vllm_tp_check --model $MODEL --tp "$t" --control --json "$OUT/vllm_tp$t.json"
   done
 else
-  step $PY -m rl_engine.testing.tp_check --model $MODEL --tp "$TP_DEGREES" --device cuda --control --out /tmp/tp_out
-  step $PY -m rl_engine.testing.tp_check --model $MODEL --tp "$TP_DEGREES" --device cuda --sequence-parallel --out /tmp/tp_out_sp
-  step $PY -m rl_engine.testing.fsdp_check --model $MODEL --ranks "$NGPU" --dtype bfloat16 --device cuda
+  step $PY -m rl_engine.harness.tp_check --model $MODEL --tp "$TP_DEGREES" --device cuda --control --out /tmp/tp_out
+  step $PY -m rl_engine.harness.tp_check --model $MODEL --tp "$TP_DEGREES" --device cuda --sequence-parallel --out /tmp/tp_out_sp
+  step $PY -m rl_engine.harness.fsdp_check --model $MODEL --ranks "$NGPU" --dtype bfloat16 --device cuda
 fi
 exit $status

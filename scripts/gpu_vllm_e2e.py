@@ -311,7 +311,7 @@ def _families(records: list[dict]) -> dict[str, set[str]]:
 
 
 def _drive(args) -> int:
-    from rl_engine.audit.metrics import provenance_check
+    from rl_engine.drift.metrics import provenance_check
     from rl_engine.testing.tiny_models import make_tiny_model
 
     out = Path(args.out or os.environ.get("OUT") or "out").resolve()

@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 R = "benchmarks/results/"
 OPS = "rl_engine/ops/"
 ENGINES = ["rl_engine/adapters", "rl_engine/ops", "rl_engine/parallel.py", "rl_engine/nn.py"]
+# what the audit and the GRPO loop share: the engine runner and the drift metrics
+RUNNER = ["rl_engine/engines.py", "rl_engine/drift"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,14 @@ ROWS = [
     _row("real CUDA vLLM", ["h100/vllm_e2e_run5/gpu_vllm_e2e.json",
                             "h200/vllm_e2e_run2_attention_v2/gpu_vllm_e2e.json",
                             "h200/audit_qwen2/report.json"],
-         [*ENGINES, "rl_engine/audit", "scripts/gpu_vllm_e2e.py"]),
+         [*ENGINES, *RUNNER, "rl_engine/audit", "scripts/gpu_vllm_e2e.py"]),
     _row("GRPO on CUDA vLLM", ["h200/grpo_qwen2_0.5b_hf/grpo.json",
                                "h200/grpo_qwen2_0.5b_megatron/grpo.json"],
-         [*ENGINES, "rl_engine/rl"]),
+         [*ENGINES, *RUNNER, "rl_engine/rl"]),
     _row("mixture of experts", ["h200/gpu_vllm_e2e_qwen3_qwen2_moe.json",
                                 "h200/gpu_vllm_e2e_mixtral.json", "h200/vllm_moe_ep2.json"],
-         [*ENGINES, "rl_engine/audit", "scripts/gpu_vllm_e2e.py", "scripts/gpu_moe_ep.sh"]),
+         [*ENGINES, *RUNNER, "rl_engine/audit", "scripts/gpu_vllm_e2e.py",
+          "scripts/gpu_moe_ep.sh"]),
     _row("MoE layer vs vLLM", ["h200/moe.json"],
          [OPS + "moe_experts", OPS + "moe_router", OPS + "moe_combine", OPS + "det_gemm",
           "benchmarks/bench_moe.py"]),
@@ -77,7 +80,7 @@ ROWS = [
                                                "h200/tp_run1/vllm_tp.json",
                                                "h100/tp_exchange.json"],
          [OPS + "det_gemm", "rl_engine/parallel.py", "rl_engine/adapters",
-          "rl_engine/testing/tp_check.py", "rl_engine/testing/vllm_tp_check.py",
+          "rl_engine/harness/tp_check.py", "rl_engine/harness/vllm_tp_check.py",
           "benchmarks/bench_tp_exchange.py"]),
     _row("rollout throughput vs stock vLLM", ["h100/rollout.json", "h200/rollout.json"],
          [*ENGINES, "benchmarks/bench_rollout.py"]),

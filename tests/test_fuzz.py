@@ -1,8 +1,8 @@
 """Invariance fuzzing on the CPU (issue: every op, random shapes / strides / padding / chunking).
 
-A bounded run of :mod:`rl_engine.testing.fuzz` over every op: the reference providers here,
+A bounded run of :mod:`rl_engine.harness.fuzz` over every op: the reference providers here,
 the Triton providers in the interpreter (``TRITON_INTERPRET=1``, small shapes; the GPU run of
-10,000+ cases is ``python -m rl_engine.testing.fuzz --device cuda --cases 10000``). Plus proof
+10,000+ cases is ``python -m rl_engine.harness.fuzz --device cuda --cases 10000``). Plus proof
 that the fuzzer fails when an op breaks its contract, with a reproducer that reproduces.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl_engine import config
-from rl_engine.testing import fuzz
+from rl_engine.harness import fuzz
 
 
 def _assert_clean(rep: fuzz.FuzzReport, min_cases: int) -> None:
@@ -51,7 +51,7 @@ def test_a_broken_op_is_caught_with_a_reproducer(monkeypatch, capsys):
     rep = fuzz.run(device="cpu", cases=12, seed=3, ops=["det_gemm"], providers=["native"])
     assert len(rep.failures) >= 10, rep.as_dict()
     f = rep.failures[0]
-    assert f["reproducer"].startswith("python -m rl_engine.testing.fuzz --op det_gemm")
+    assert f["reproducer"].startswith("python -m rl_engine.harness.fuzz --op det_gemm")
     assert "FUZZ FAIL det_gemm/native" in capsys.readouterr().err
     seed = f["case"]["seed"]
     assert fuzz.main(["--op", "det_gemm", "--provider", "native", "--case-seed", str(seed)]) == 1
@@ -222,6 +222,7 @@ def test_oom_is_retried_alone_and_other_errors_are_not(monkeypatch, tmp_path):
     ``RuntimeError: ... out of memory``) runs again, holding the shards' lock exclusively; any
     other error stands at once."""
     monkeypatch.setenv(fuzz._LOCK_ENV, str(tmp_path / "gpu0.lock"))
+    config.reload()  # the conftest fixture re-reads the environment after the test
     monkeypatch.setattr(fuzz, "_SHARD_LOCK", None)
     calls = []
 
@@ -260,12 +261,13 @@ def test_a_retry_waits_for_the_running_cases(tmp_path, monkeypatch):
         [sys.executable, "-c",
          "import os, time\n"
          f"os.environ['{fuzz._LOCK_ENV}'] = {lock!r}\n"
-         "from rl_engine.testing import fuzz\n"
+         "from rl_engine.harness import fuzz\n"
          "fuzz._ShardLock().run(lambda: (print('in', flush=True), time.sleep(1.5)), alone=False)\n"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "in"  # the other shard's case is running
     monkeypatch.setenv(fuzz._LOCK_ENV, lock)
+    config.reload()
     t0 = time.perf_counter()
     fuzz._ShardLock().run(lambda: None, alone=True)
     waited = time.perf_counter() - t0

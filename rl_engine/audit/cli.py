@@ -21,9 +21,10 @@ from typing import Any
 
 from rl_engine import _cli_common
 from rl_engine.audit import plots  # imports matplotlib only when it draws, after the numbers
-from rl_engine.audit.metrics import compare, fmt_delta, provenance_check
 from rl_engine.audit.prompts import AuditInputError, builtin_prompts, load_prompts
-from rl_engine.rl.engines import WorkerError, run_worker, worker_env
+from rl_engine.config import settings
+from rl_engine.drift.metrics import compare, fmt_delta, provenance_check
+from rl_engine.engines import WorkerError, run_worker, worker_env
 
 # report.json layout version: bumped when a field changes meaning or goes away
 # (3: one rollout engine per configuration; runs[].seconds became runs[].rollout_seconds, the
@@ -194,8 +195,7 @@ def _resolve_device(device: str) -> str:
 def _validate(
     args: argparse.Namespace, workdir: str
 ) -> tuple[str, dict[str, Any], list[list[int]]]:
-    if args.temperature <= 0:
-        raise AuditInputError(f"--temperature must be > 0, got {args.temperature}")
+    _cli_common.check_temperature(args.temperature, AuditInputError)
     if args.num_prompts < 1 or args.max_tokens < 1:
         raise AuditInputError("--num-prompts and --max-tokens must be >= 1")
     try:
@@ -370,8 +370,9 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     if tp > 1:
         # the rollout's row-parallel layers run the TP-invariant reduction at any TP > 1; a
         # one-device trainer must run it too to compute the same bits
+        groups = settings().tp_groups  # this process's setting, else 8
         for env in (env_roll, env_train):
-            env.setdefault("RL_ENGINE_TP_GROUPS", os.environ.get("RL_ENGINE_TP_GROUPS", "8"))
+            env.setdefault("RL_ENGINE_TP_GROUPS", "8" if groups is None else str(groups))
         if args.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env_roll.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
     progress = not args.no_progress

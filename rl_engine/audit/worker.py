@@ -30,7 +30,7 @@ def _rollout(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from vllm import SamplingParams
 
-    from rl_engine.rl.engines import sampled_sequences, vllm_engine
+    from rl_engine.engines import sampled_sequences, vllm_engine
 
     device = cfg.get("device", "cpu")
     from vllm.platforms import current_platform
@@ -93,7 +93,7 @@ def _trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     ``cfg["localize"]`` its activations on that sequence (:mod:`rl_engine.audit.localize`)."""
     import torch
 
-    from rl_engine.rl.engines import completion_slices, load_trainer, pad_right, trainer_logprobs
+    from rl_engine.engines import completion_slices, load_trainer, pad_right, trainer_logprobs
 
     mb = cfg.get("micro_batch", 4)
     trainer, engine = cfg["trainer"], cfg["engine"]
@@ -134,7 +134,7 @@ def _localize(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from rl_engine.audit import localize
-    from rl_engine.rl.engines import vllm_engine
+    from rl_engine.engines import vllm_engine
 
     ids = cfg["sequence"]
     llm = vllm_engine(

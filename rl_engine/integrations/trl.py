@@ -462,7 +462,7 @@ class _ScoreWithDrift:
 
 
 def _default_monitor() -> Any:
-    from rl_engine.audit.monitor import DriftMonitor
+    from rl_engine.drift.monitor import DriftMonitor
 
     return DriftMonitor(prefix="rl_engine/drift/", position_bins=None, seqlen_bins=None)
 

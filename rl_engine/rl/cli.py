@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rl_engine import _cli_common
-from rl_engine.audit.metrics import fmt_delta
-from rl_engine.rl.engines import ENGINES, TRAINERS, WorkerError, run_worker, worker_env
+from rl_engine.drift.metrics import fmt_delta
+from rl_engine.engines import ENGINES, TRAINERS, WorkerError, run_worker, worker_env
 
 
 class GRPOInputError(ValueError):
@@ -88,8 +88,7 @@ def _validate(args: argparse.Namespace, workdir: str) -> tuple[str, list[str]]:
             raise GRPOInputError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.group_size < 2:
         raise GRPOInputError("--group-size must be >= 2 (advantages are normalised per group)")
-    if not (args.temperature > 0 and math.isfinite(args.temperature)):
-        raise GRPOInputError(f"--temperature must be > 0, got {args.temperature}")
+    _cli_common.check_temperature(args.temperature, GRPOInputError)
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise GRPOInputError(f"--lr must be > 0, got {args.lr}")
     configs = [c.strip() for c in args.configurations.split(",") if c.strip()]

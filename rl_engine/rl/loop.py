@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from rl_engine import engines
 from rl_engine._cli_common import write_json_atomic
-from rl_engine.rl import engines, rewards
+from rl_engine.config import settings
+from rl_engine.rl import rewards
 from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
 
 __all__ = ["GRPOConfig", "group_advantages", "run"]
@@ -130,15 +132,16 @@ def run(
     """
     from vllm import SamplingParams
 
-    from rl_engine.audit.metrics import compare
+    from rl_engine.drift.metrics import compare
     from rl_engine.ops import grpo_loss
 
     emit = on_event or (lambda event: None)
-    if cfg.engine == "rl_engine" and os.environ.get("RL_ENGINE_VLLM") != "1":
+    plugin = settings().vllm_plugin
+    if cfg.engine == "rl_engine" and not plugin:
         raise RuntimeError(
             "engine='rl_engine' needs the vLLM plugin: start the process with RL_ENGINE_VLLM=1"
         )
-    if cfg.engine == "stock" and os.environ.get("RL_ENGINE_VLLM") == "1":
+    if cfg.engine == "stock" and plugin:
         raise RuntimeError("engine='stock' must run without the vLLM plugin (RL_ENGINE_VLLM=1)")
     with open(os.path.join(cfg.model, "config.json")) as f:
         hf_cfg = json.load(f)
@@ -185,7 +188,7 @@ def run(
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
 
-    from rl_engine.audit.monitor import DriftMonitor
+    from rl_engine.drift.monitor import DriftMonitor
 
     monitor = DriftMonitor()
     records = []

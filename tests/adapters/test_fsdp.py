@@ -7,7 +7,7 @@ import pytest
 import torch
 import trainer_cases as tc
 
-from rl_engine.testing import fsdp_check
+from rl_engine.harness import fsdp_check
 
 pytest.importorskip("transformers")
 

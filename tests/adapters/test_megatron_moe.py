@@ -215,7 +215,7 @@ def test_ep2_equals_ep1(ckpts, tmp_path):
     """EP = 2 in two gloo processes, each with its own half of the sequences: log-probs and the
     expert weight gradients (gathered over the ranks) == EP = 1's (this process), bitwise."""
     from rl_engine.adapters import megatron as ma
-    from rl_engine.testing import ep_check
+    from rl_engine.harness import ep_check
 
     path = ckpts[("qwen2_moe", "float32")]
     gpt = ma.from_pretrained(path)

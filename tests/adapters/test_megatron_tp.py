@@ -20,7 +20,7 @@ import trainer_cases as tc  # noqa: E402
 
 from rl_engine.adapters.megatron import UnsupportedNumericsError  # noqa: E402
 from rl_engine.adapters.megatron.loader import shard_state  # noqa: E402
-from rl_engine.testing import tp_check  # noqa: E402
+from rl_engine.harness import tp_check  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
 SHAPE = tc.tiny_shape(hidden=64, heads=8, kv_heads=4, head_dim=16)
@@ -80,7 +80,7 @@ def test_default_tp1_and_tp2_families_differ_and_the_checks_say_so(plain, runs):
     different families for them, and the family checks (the audit's, ``DriftMonitor``'s) name
     which side runs which and the fix, instead of passing on the ops both resolved."""
     from rl_engine.audit import DriftMonitor
-    from rl_engine.audit.metrics import provenance_check, tp_reduction
+    from rl_engine.drift.metrics import provenance_check, tp_reduction
 
     one, two = plain[0]["provenance"], runs[2][0]["provenance"]
     assert tp_reduction(one) == ["det_gemm/native-k16"]
@@ -105,7 +105,7 @@ def test_groups_on_both_sides_families_equal_and_bitwise(runs):
     """``RL_ENGINE_TP_GROUPS=8`` at TP 1 (and 4): the same families as the TP 2 default, the
     checks pass, the log-probs are bitwise equal."""
     from rl_engine.audit import DriftMonitor
-    from rl_engine.audit.metrics import provenance_check
+    from rl_engine.drift.metrics import provenance_check
 
     one = runs[1][0]["provenance"]
     for t in (2, 4):

@@ -346,8 +346,8 @@ def test_expert_parallel_slot_sum_in_process(ep):
     """The ranks' per-slot outputs of EP ``ep`` (each its experts, +0 elsewhere), summed in
     every rotation of the rank order, combined: EP 1's bits (the all-reduce order is free)."""
     from rl_engine.adapters.vllm.moe import ep_slot_sum
+    from rl_engine.harness import moe_ep_check
     from rl_engine.ops import moe_combine, moe_experts
-    from rl_engine.testing import moe_ep_check
 
     x, ids, weights, w13, w2, shared, gate = moe_ep_check.case()
     ref = moe_ep_check.reference()
@@ -376,6 +376,6 @@ def test_expert_parallel_slot_sum_gloo():
     """EP 2 over a real gloo group (2 processes, ``dist.all_reduce``) == EP 1 on every rank
     (``moe_ep_check.run(4)`` runs 4 ranks the same way; the rank order is covered in process
     above)."""
-    from rl_engine.testing import moe_ep_check
+    from rl_engine.harness import moe_ep_check
 
     assert moe_ep_check.run(2, "cpu") == []

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
+from rl_engine.harness import vllm_tp_check as vt  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import trainer_cases as tc  # noqa: E402
 
-from rl_engine.testing import vllm_tp_check as vt  # noqa: E402
+from rl_engine.harness import vllm_tp_check as vt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The numerics-family checks (``rl_engine.audit.metrics.provenance_check``, the audit's gate,
+"""The numerics-family checks (``rl_engine.drift.metrics.provenance_check``, the audit's gate,
 ``DriftMonitor.check_families``) on registry reports: one side on plain ``det_gemm`` and the
 other on the grouped ``det_gemm_tp`` reduction is a mismatch that names which side runs which
 and the fix (issue 44 item 3). The same with real TP 1 / TP 2 Megatron trainers (gloo):
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from rl_engine.audit import DriftMonitor
-from rl_engine.audit.metrics import provenance_check, tp_reduction
+from rl_engine.drift.metrics import provenance_check, tp_reduction
 
 GEMM = "det_gemm/native-k16"
 GROUPED = f"det_gemm_tp/g8[{GEMM}]"

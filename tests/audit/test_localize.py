@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rl_engine.audit import localize as lz  # noqa: E402
-from rl_engine.rl.engines import load_trainer  # noqa: E402
+from rl_engine.engines import load_trainer  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
 IDS = [3, 17, 250, 9, 77, 401, 5, 123, 64, 2, 311, 8]

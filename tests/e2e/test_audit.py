@@ -86,6 +86,7 @@ def test_audit_default_megatron(tmp_path):
         (["--prompts", "/no/such/file.jsonl"], "prompt file not found"),
         (["--max-tokens", "5000"], "exceeds the model's context"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "nan"], "--temperature must be > 0, got nan"),
         (["--tensor-parallel-size", "3"], "expected 1, 2, 4 or 8"),
         (["--tensor-parallel-size", "2", "--localize"], "it needs --tensor-parallel-size 1"),
         (["--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
@@ -196,7 +197,8 @@ def test_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     """report.json and report.md are on disk before the plot is tried; a failing plot warns."""
     import argparse
 
-    from rl_engine.audit import cli, metrics, plots
+    from rl_engine.audit import cli, plots
+    from rl_engine.drift import metrics
 
     m = metrics.compare([[-1.0, -2.0]], [[-1.0, -2.5]])
     m["runs"] = [

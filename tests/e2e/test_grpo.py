@@ -185,7 +185,7 @@ def test_weight_sync_refused_keeps_engine_serving_old_weights(tmp_path, monkeypa
     monkeypatch.delenv("RL_ENGINE_VLLM", raising=False)
     from vllm import SamplingParams
 
-    from rl_engine.rl.engines import vllm_engine
+    from rl_engine.engines import vllm_engine
     from rl_engine.rl.sync import checkpoint_spec
     from rl_engine.testing.tiny_models import make_tiny_model
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_engine.harness import dtensor_check
 from rl_engine.ops import _dtensor, rms_norm
-from rl_engine.testing import dtensor_check
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not built"

@@ -167,9 +167,9 @@ def test_errors(args, exc, match):
 
 
 def test_self_test():
-    from rl_engine.ops.entropy import self_test
+    from rl_engine.selftest import self_test
 
-    self_test("cpu")
+    self_test("entropy", "cpu")
 
 
 def test_unsupported_device_raises():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rl_engine import BackendUnavailableError, config
+from rl_engine import BackendUnavailableError, KernelRegistry, config
 from rl_engine.ops import det_gemm, entropy, linear_logp, logp
 from rl_engine.ops.linear_logp import reference as ll_ref
 from rl_engine.ops.linear_logp import stock as ll_stock
@@ -326,6 +326,31 @@ def test_errors(args, exc, match):
         linear_logp(*args, backend="native")
 
 
+def test_temperature_is_checked_once_at_the_public_entry(backend, monkeypatch):
+    """The trainer path (``linear_logp`` -> its provider) validates the temperature once, at the
+    public entry, and trusts it inside (the provider's forward does not check again); each
+    provider module's own public function still checks a direct call."""
+    from rl_engine.ops.logp import reference as logp_ref
+
+    calls = []
+    real = logp_ref.check_temperature
+
+    def counting(t):
+        calls.append(t)
+        real(t)
+
+    monkeypatch.setattr(ll_ref, "check_temperature", counting)
+    monkeypatch.setattr(logp_ref, "check_temperature", counting)
+    linear_logp(_H, _W, _T, 0.7, backend=backend)
+    assert calls == [0.7]
+    calls.clear()
+    linear_logp(_H, _W, _T, 0.7, return_entropy=True, backend=backend)
+    assert calls == [0.7]
+    fn = KernelRegistry.provider("linear_logp", backend).fn
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fn(_H, _W, _T, -1.0, False)
+
+
 def test_bad_chunk_config_raises(monkeypatch):
     monkeypatch.setattr(ll_ref, "VOCAB_CHUNK", VOCAB_TILE + 1)
     with pytest.raises(ValueError, match="multiple of VOCAB_TILE"):
@@ -333,6 +358,6 @@ def test_bad_chunk_config_raises(monkeypatch):
 
 
 def test_self_test():
-    from rl_engine.ops.linear_logp import self_test
+    from rl_engine.selftest import self_test
 
-    self_test("cpu")
+    self_test("linear_logp", "cpu")

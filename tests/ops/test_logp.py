@@ -187,9 +187,9 @@ def test_unknown_backend_raises():
 
 
 def test_self_test():
-    from rl_engine.ops.logp import self_test
+    from rl_engine.selftest import self_test
 
-    self_test("cpu")
+    self_test("logp", "cpu")
 
 
 def test_tensor_temperature_and_leading_dims(backend):

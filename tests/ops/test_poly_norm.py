@@ -221,9 +221,9 @@ def test_errors(kwargs, exc, match):
 
 
 def test_self_test():
-    from rl_engine.ops.poly_norm import self_test
+    from rl_engine.selftest import self_test
 
-    self_test("cpu")
+    self_test("poly_norm", "cpu")
 
 
 def _triton_device() -> str:

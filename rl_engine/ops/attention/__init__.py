@@ -26,7 +26,7 @@ from rl_engine.ops._common import (
     registry_entry,
 )
 from rl_engine.ops.attention import reference
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import resolve_provider
 
 __all__ = ["attention", "paged_attention", "write_kv_cache"]
 
@@ -266,43 +266,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__, "SPLIT_PROVIDER")
-
-
-def self_test(device: str) -> None:
-    """Bitwise prefill == chunked paged prefill == decode, alone and batched (``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    op = KernelRegistry.get_op(_OP, device=device)
-    dtypes = [torch.float32]
-    if device != "cpu" or op.provider.name == "native":
-        dtypes.append(torch.bfloat16)
-    for dtype in dtypes:
-        lens, hq, hkv, d, bs = [70, 5], 4, 2, 64, 16
-        t = sum(lens)
-        q, k, v = (
-            torch.randn(t, h, d, generator=g).to(device=device, dtype=dtype) for h in (hq, hkv, hkv)
-        )
-        cu = torch.tensor([0, lens[0], t], dtype=torch.int32, device=device)
-        full = attention(q, k, v, cu, backend=op.provider.name)
-        alone = attention(
-            q[: lens[0]], k[: lens[0]], v[: lens[0]], cu[:2], backend=op.provider.name
-        )
-        assert_bitwise(alone, full[: lens[0]], f"attention {dtype}: sequence alone vs batched")
-        # the first sequence through a paged cache: chunks of 33, then decode steps
-        n = lens[0]
-        kc = torch.zeros(8, bs, hkv, d, dtype=dtype, device=device)
-        vc = torch.zeros_like(kc)
-        blocks = torch.tensor([[5, 2, 7, 0, 1]], dtype=torch.int32, device=device)
-        slots = (blocks[0].long()[torch.arange(n, device=device) // bs] * bs) + torch.arange(
-            n, device=device
-        ) % bs
-        write_kv_cache(k[:n], v[:n], kc, vc, slots, backend=op.provider.name)
-        outs = []
-        for c0, c1 in [(0, 33), (33, 66)] + [(i, i + 1) for i in range(66, n)]:
-            qsl = torch.tensor([0, c1 - c0], dtype=torch.int32, device=device)
-            sl = torch.tensor([c1], dtype=torch.int32, device=device)
-            outs.append(
-                paged_attention(q[c0:c1], kc, vc, blocks, sl, qsl, backend=op.provider.name)
-            )
-        assert_bitwise(torch.cat(outs), full[:n], f"attention {dtype}: paged chunks vs prefill")

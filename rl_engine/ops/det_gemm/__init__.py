@@ -218,17 +218,5 @@ from rl_engine.ops.det_gemm import cuda as _cuda  # noqa: E402
 KernelRegistry.register_provider(_cuda.PROVIDER)
 
 
-def self_test(device: str) -> None:
-    """Quick bitwise row / column invariance check (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        b = torch.randn(64, 48, generator=g).to(device=device, dtype=dtype)
-        x = torch.randn(67, 64, generator=g).to(device=device, dtype=dtype)
-        check_row_invariance(lambda t, b=b: det_gemm(t, b), x, counts=(1, 17, 33), what="det_gemm")
-        assert_bitwise(det_gemm(x, b[:, 5:9]), det_gemm(x, b)[:, 5:9], "det_gemm columns")
-
-
 # the TP-invariant reduction (op det_gemm_tp: one provider per invariant det_gemm provider)
 from rl_engine.ops.det_gemm import tp as _tp  # noqa: E402,F401

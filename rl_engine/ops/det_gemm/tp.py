@@ -562,20 +562,3 @@ def _register() -> None:
 
 
 _register()
-
-
-def self_test(device: str) -> None:
-    """Quick check (``rl-engine check``): TP 2 / 4 / 8 shards == TP 1, rows batch invariant."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(19, 64, generator=g).to(device=device, dtype=torch.float32)
-    b = torch.randn(64, 24, generator=g).to(device=device, dtype=torch.float32)
-    full = det_gemm_tp(a, b)
-    for tp in (2, 4, 8):
-        k = 64 // tp
-        subs = [
-            subtree(a[:, r * k : (r + 1) * k], b[r * k : (r + 1) * k], 8 // tp) for r in range(tp)
-        ]
-        assert_bitwise(finish(combine(subs), None, a.dtype), full, f"det_gemm_tp TP {tp} shards")
-    check_row_invariance(lambda t: det_gemm_tp(t, b), a, counts=(1, 7), what="det_gemm_tp")

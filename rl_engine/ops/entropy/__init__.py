@@ -67,23 +67,5 @@ register_op(
 )
 
 
-def self_test(device: str) -> None:
-    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    vocab = VOCAB_TILE + 77  # two tiles, the second one partial
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
-
-        def dx(rows):
-            rows = rows.clone().requires_grad_(True)
-            entropy(rows, 0.7).backward(rows[:, 1].detach().float() + 0.5)
-            return rows.grad
-
-        check_row_invariance(lambda r: entropy(r, 0.7), x, counts=(1, 17), what="entropy")
-        check_row_invariance(dx, x, counts=(1, 17), what=f"entropy dlogits {dtype}")
-
-
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)

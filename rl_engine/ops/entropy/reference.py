@@ -33,8 +33,8 @@ def _check(logits: Any, temperature: Any) -> None:
 
 
 def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`."""
-    _check(logits, temperature)
+    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`. The arguments are trusted:
+    checked once at the public entry (the op's ``_run``, or :func:`entropy`)."""
     temp = temperature_tensor(temperature, logits.device)
     state = VocabLogSumExp(logits.shape[0], logits.device, with_entropy=True)
     state.add(logits, temp)
@@ -66,4 +66,5 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     Returns:
         fp32 [T] (nats).
     """
+    _check(logits, temperature)
     return entropy_forward(logits, temperature)[0]

@@ -15,8 +15,8 @@ from rl_engine.ops.entropy.reference import _check
 
 
 def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, lse)`` fp32 [T] with torch's own reductions."""
-    _check(logits, temperature)
+    """``(entropy, lse)`` fp32 [T] with torch's own reductions (arguments checked at the
+    public entry)."""
     z = logits.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     p = torch.softmax(z, dim=-1)
@@ -35,4 +35,5 @@ def entropy_backward(*args: Any) -> torch.Tensor:
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` with torch's reductions (fp32 [T])."""
+    _check(logits, temperature)
     return entropy_forward(logits, temperature)[0]

@@ -29,8 +29,8 @@ __all__ = ["PROVIDER", "entropy", "entropy_backward", "entropy_forward"]
 
 
 def entropy_forward(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`."""
-    reference._check(logits, temperature)
+    """``(entropy, lse)``, both fp32 [T]; see :func:`entropy`. The arguments are trusted
+    (checked at the public entry)."""
     check_device(logits, "entropy")
     _, ent, lse = vocab_forward(logits, None, temperature, with_entropy=True)
     assert ent is not None
@@ -55,6 +55,7 @@ def entropy_backward(*args: Any) -> torch.Tensor:
 def entropy(*args: Any) -> torch.Tensor:
     """Batch-invariant entropy of ``softmax(logits / temperature)`` per row, in Triton: fp32 [T]
     (nats). Takes the arguments of :func:`rl_engine.ops.entropy.reference.entropy`."""
+    reference._check(*args)
     return entropy_forward(*args)[0]
 
 

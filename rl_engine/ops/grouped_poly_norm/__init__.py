@@ -75,7 +75,11 @@ def grouped_poly_norm(
     """``poly_norm(gate[n]) * up[n]`` with the weights of row ``n``'s expert.
 
     Args:
-        gate, up: [N, D] rows; weight: [E, 3]; bias: [E, 1]; expert_ids: [N] int.
+        gate: [N, D] rows.
+        up: [N, D] rows (the same N, D and dtype as ``gate``).
+        weight: [E, 3], one row per expert.
+        bias: [E, 1].
+        expert_ids: [N] int, the expert of each row.
         eps: added to each mean square.
         backend: pin a provider for this call (raises when it cannot run).
 
@@ -97,21 +101,3 @@ register_op(
         {"backward": reference.grouped_poly_norm_backward},
     ),
 )
-
-
-def self_test(device: str) -> None:
-    """Each row == fused_mul_poly_norm with its expert's weights, bitwise (``rl-engine check``)."""
-    from rl_engine.ops.poly_norm import fused_mul_poly_norm
-    from rl_engine.testing.invariance import assert_bitwise
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    gate = torch.randn(11, 40, generator=g).to(device=device, dtype=torch.bfloat16)
-    up = torch.randn(11, 40, generator=g).to(device=device, dtype=torch.bfloat16)
-    w = torch.rand(3, 3, generator=g).to(device)
-    b = torch.rand(3, 1, generator=g).to(device)
-    ids = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0, 1, 2, 0], device=device)
-    out = grouped_poly_norm(gate, up, w, b, ids)
-    prov = resolve_provider(_OP, device, None)
-    backend = "native" if prov == "native" else prov  # the same family's poly_norm
-    alone = fused_mul_poly_norm(gate[3:4], up[3:4], w[2], b[2], backend=backend)
-    assert_bitwise(out[3:4], alone, "grouped_poly_norm row vs fused_mul_poly_norm")

@@ -196,35 +196,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Run-to-run and padding invariance of loss, metrics and d logp (``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    b, t = 9, 23
-    lp = (torch.randn(b, t, generator=g) * 0.3 - 1.0).to(device)
-    old = (lp.cpu() + torch.randn(b, t, generator=g) * 0.2).to(device)
-    adv = torch.randn(b, generator=g).to(device)
-    mask = (torch.rand(b, t, generator=g) > 0.2).to(device)
-
-    def run(lp_, old_, adv_, mask_):
-        x = lp_.clone().requires_grad_(True)
-        out = grpo_loss(x, old_, adv_, mask_, clip_high=0.28, dual_clip=3.0)
-        out.loss.backward()
-        return torch.cat([out.loss[None], torch.stack(out.metrics)]), x.grad
-
-    loss, grad = run(lp, old, adv, mask)
-    loss2, grad2 = run(lp, old, adv, mask)
-    assert_bitwise(loss2, loss, "grpo_loss run-to-run")
-    assert_bitwise(grad2, grad, "grpo_loss d logp run-to-run")
-
-    def pad(x, rows, cols, value):
-        x = torch.cat([x, torch.full((x.shape[0], cols), value, dtype=x.dtype, device=device)], 1)
-        return torch.cat([x, torch.full((rows, x.shape[1]), value, dtype=x.dtype, device=device)])
-
-    adv_p = torch.cat([adv, torch.zeros(5, device=device)])
-    loss_p, grad_p = run(pad(lp, 5, 4, 0.0), pad(old, 5, 4, 0.0), adv_p, pad(mask, 5, 4, False))
-    assert_bitwise(loss_p, loss, "grpo_loss with masked padding")
-    assert_bitwise(grad_p[:b, :t], grad, "grpo_loss d logp with masked padding")

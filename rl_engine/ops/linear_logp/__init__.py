@@ -186,30 +186,5 @@ register_op(
 )
 
 
-def self_test(device: str) -> None:
-    """Bitwise fusion transparency and row invariance (used by ``rl-engine check``)."""
-    from rl_engine.ops.det_gemm import det_gemm
-    from rl_engine.ops.logp import logp
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    vocab = VOCAB_TILE + 77
-    for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(vocab, 32, generator=g).to(device=device, dtype=dtype)
-        h = torch.randn(20, 32, generator=g).to(device=device, dtype=dtype)
-        tok = torch.randint(0, vocab, (20,), generator=g).to(device)
-        assert_bitwise(
-            linear_logp(h, w, tok, 0.7),
-            logp(det_gemm(h, w.t()), tok, 0.7),
-            f"linear_logp == logp(det_gemm) {dtype}",
-        )
-
-        def fwd(rows, w=w):
-            t = (rows[:, 0].float().abs() * 1000).long() % vocab
-            return linear_logp(rows, w, t, 0.7)
-
-        check_row_invariance(fwd, h, counts=(1, 17), what=f"linear_logp {dtype}")
-
-
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)

@@ -115,8 +115,9 @@ def linear_logp_forward(
     temperature: float,
     return_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``."""
-    _check(hidden, weight, tokens, temperature, return_entropy)
+    """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``.
+    The arguments are trusted: checked once at the public entry (the op's ``_run``, or
+    :func:`linear_logp`)."""
     check_token_range(tokens, weight.shape[0])
     (tc, vc), temp, gemm, tok = _blocks_setup(hidden, tokens, temperature)
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -224,5 +225,6 @@ def linear_logp(
     Returns:
         ``logp`` fp32 [T], or ``(logp, entropy)`` when ``return_entropy``.
     """
+    _check(hidden, weight, tokens, temperature, return_entropy)
     lp, ent, _ = linear_logp_forward(hidden, weight, tokens, temperature, return_entropy)
     return (lp, ent) if return_entropy else lp

@@ -22,9 +22,9 @@ from rl_engine.ops.logp.reference import check_token_range
 @signature_of(reference.linear_logp_forward)
 def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, lse)`` fp32 [T] (``entropy`` empty unless ``return_entropy``); the
-    arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`."""
+    arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`, trusted
+    (checked at the public entry)."""
     hidden, weight, tokens, temperature, return_entropy = args
-    _check(hidden, weight, tokens, temperature, return_entropy)
     check_token_range(tokens, weight.shape[0])
     logits = torch.mm(hidden, weight.t())
     lp, lse = logp_stock.logp_forward(logits, tokens, temperature)
@@ -56,6 +56,7 @@ def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def linear_logp(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Stock ``log_softmax(hidden @ weight.t() / temperature)[tokens]`` (fp32 [T]); the
     arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp`."""
+    _check(*args)
     lp, ent, _ = linear_logp_forward(*args)
     return_entropy = args[4]
     return (lp, ent) if return_entropy else lp

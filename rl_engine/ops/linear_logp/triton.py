@@ -113,10 +113,10 @@ def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, lse)`` fp32 [T]; ``entropy`` is empty [0] unless ``return_entropy``.
 
-    Takes the arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`.
+    Takes the arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`,
+    trusted (checked at the public entry).
     """
     hidden, weight, tokens, temperature, return_entropy = args
-    reference._check(hidden, weight, tokens, temperature, return_entropy)
     _vocab.check_device(hidden, "linear_logp")
     check_token_range(tokens, weight.shape[0])
     if TOKEN_CHUNK <= 0:
@@ -232,6 +232,7 @@ def linear_logp(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``logp`` fp32 [T], or ``(logp, entropy)`` when ``return_entropy``.
     """
+    reference._check(*args)
     lp, ent, _ = linear_logp_forward(*args)
     return_entropy = args[4]
     return (lp, ent) if return_entropy else lp

@@ -138,28 +138,5 @@ register_op(
 )
 
 
-def self_test(device: str) -> None:
-    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    vocab = reference.VOCAB_TILE + 77  # two tiles, the second one partial
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
-
-        def fwd(rows):
-            tok = (rows[:, 0].float().abs() * 1000).long() % vocab
-            return logp(rows, tok, 0.7)
-
-        def dx(rows):
-            rows = rows.clone().requires_grad_(True)
-            tok = (rows[:, 0].detach().float().abs() * 1000).long() % vocab
-            logp(rows, tok, 0.7).backward(rows[:, 1].detach().float() + 0.5)
-            return rows.grad
-
-        check_row_invariance(fwd, x, counts=(1, 17), what=f"logp {dtype}")
-        check_row_invariance(dx, x, counts=(1, 17), what=f"logp dlogits {dtype}")
-
-
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)

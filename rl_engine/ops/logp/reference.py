@@ -243,8 +243,8 @@ def dlogits(
 def logp_forward(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, lse)``, both fp32 [T]; see :func:`logp`."""
-    _check(logits, tokens, temperature)
+    """``(logp, lse)``, both fp32 [T]; see :func:`logp`. The arguments are trusted: checked
+    once at the public entry (the op's ``_run``, or :func:`logp`)."""
     check_token_range(tokens, logits.shape[1])
     temp = temperature_tensor(temperature, logits.device)
     state = VocabLogSumExp(logits.shape[0], logits.device, with_entropy=False)
@@ -329,4 +329,5 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
     Returns:
         fp32 [T].
     """
+    _check(logits, tokens, temperature)
     return logp_forward(logits, tokens, temperature)[0]

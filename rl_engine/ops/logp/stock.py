@@ -19,8 +19,8 @@ from rl_engine.ops.logp.reference import _check, check_row_temperatures, check_t
 def logp_forward(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, lse)`` fp32 [T] with torch's own reductions."""
-    _check(logits, tokens, temperature)
+    """``(logp, lse)`` fp32 [T] with torch's own reductions (arguments checked at the public
+    entry)."""
     check_token_range(tokens, logits.shape[1])
     z = logits.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -39,6 +39,7 @@ def logp_backward(*args: Any) -> torch.Tensor:
 
 def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``torch.log_softmax(logits.float() / temperature, -1)`` at ``tokens`` (fp32 [T])."""
+    _check(logits, tokens, temperature)
     return logp_forward(logits, tokens, temperature)[0]
 
 

@@ -443,8 +443,8 @@ def vocab_backward(
 def logp_forward(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, lse)``, both fp32 [T]; see :func:`logp`."""
-    reference._check(logits, tokens, temperature)
+    """``(logp, lse)``, both fp32 [T]; see :func:`logp`. The arguments are trusted (checked at
+    the public entry)."""
     check_device(logits, "logp")
     reference.check_token_range(tokens, logits.shape[1])
     lp, _, lse = vocab_forward(logits, tokens, temperature, with_entropy=False)
@@ -496,6 +496,7 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
     Returns:
         fp32 [T]; the reduction of the module docstring.
     """
+    reference._check(logits, tokens, temperature)
     return logp_forward(logits, tokens, temperature)[0]
 
 

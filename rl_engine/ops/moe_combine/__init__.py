@@ -116,24 +116,3 @@ register_op(
 
 # The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance with a gated shared expert (``rl-engine check``)."""
-    from rl_engine.testing.invariance import check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    t, k, h = 37, 4, 24
-    y = torch.randn(t, k * h + h + 1, generator=g).to(device=device, dtype=torch.bfloat16)
-    w = torch.rand(t, k, generator=g).to(device)
-
-    def fwd(rows):
-        idx = rows[:, 0].long()
-        yy = y[idx]
-        return moe_combine(
-            yy[:, : k * h].reshape(-1, k, h), w[idx],
-            shared=yy[:, k * h : k * h + h], shared_gate=yy[:, -1:],
-        )  # fmt: skip
-
-    check_row_invariance(fwd, torch.arange(t, dtype=torch.float32)[:, None].to(device),
-                         counts=(1, 17, 33), what="moe_combine")  # fmt: skip

@@ -126,21 +126,3 @@ register_op(
 
 # The Triton provider (grouped GEMMs; cuda, cpu through the Triton interpreter).
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Every output row == its expert MLP alone, bitwise (``rl-engine check``)."""
-    from rl_engine.ops.det_gemm import det_gemm
-    from rl_engine.ops.silu_and_mul import silu_and_mul
-    from rl_engine.testing.invariance import assert_bitwise
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
-    w13 = (0.2 * torch.randn(4, 48, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
-    w2 = (0.2 * torch.randn(4, 32, 24, generator=g)).to(device=device, dtype=torch.bfloat16)
-    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
-    y = moe_experts(x, ids, w13, w2)
-    t, s = 5, 1
-    e = int(ids[t, s])
-    alone = det_gemm(silu_and_mul(det_gemm(x[t : t + 1], w13[e].t())), w2[e].t())
-    assert_bitwise(y[t, s : s + 1], alone, "moe_experts row vs its expert alone")

@@ -113,8 +113,11 @@ def moe_router(
     Args:
         hidden: [T, H] hidden rows.
         gate_weight: [E, H] router weight (``nn.Linear`` layout).
-        top_k, scoring, renormalize, backend: as :func:`moe_topk` (``backend`` pins the top-k
-            provider; the GEMM resolves ``det_gemm``'s own).
+        top_k: as :func:`moe_topk`.
+        scoring: as :func:`moe_topk`.
+        renormalize: as :func:`moe_topk`.
+        backend: pins the top-k provider (as :func:`moe_topk`); the GEMM resolves
+            ``det_gemm``'s own.
 
     Returns:
         ``(weights [T, k] fp32, ids [T, k] int64, logits [T, E] in hidden.dtype)``.
@@ -141,20 +144,3 @@ register_op(
 
 # The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of weights, ids and dlogits; the tie rule (``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for scoring, renorm in (("softmax", True), ("softmax", False), ("topk_softmax", False)):
-        x = torch.randn(45, 16, generator=g).to(device=device, dtype=torch.bfloat16)
-
-        def fwd(t, scoring=scoring, renorm=renorm):
-            w, ids = moe_topk(t, 4, scoring=scoring, renormalize=renorm)
-            return torch.cat([w, ids.float()], dim=1)
-
-        check_row_invariance(fwd, x, counts=(1, 17, 33), what=f"moe_topk {scoring}")
-    tie = torch.zeros(1, 8, device=device)
-    assert_bitwise(moe_topk(tie, 3)[1], torch.tensor([[0, 1, 2]], device=device), "tie rule")

@@ -171,19 +171,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of forward and dX, fused == unfused (``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = torch.tensor([0.3, 0.5, 0.2], device=device)
-    b = torch.tensor([0.1], device=device)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (2 * torch.randn(45, 77, generator=g)).to(device=device, dtype=dtype)
-        m = torch.randn(45, 77, generator=g).to(device=device, dtype=dtype)
-        check_row_invariance(lambda r: poly_norm(r, w, b), x, counts=(1, 17), what="poly_norm")
-        assert_bitwise(
-            fused_mul_poly_norm(x, m, w, b), poly_norm(x, w, b) * m, "fused_mul_poly_norm"
-        )

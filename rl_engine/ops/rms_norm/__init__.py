@@ -297,26 +297,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of forward and dX, fused == unfused (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import assert_bitwise, check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(72, generator=g).to(device=device, dtype=dtype)
-        x = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
-        res = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
-        check_row_invariance(lambda t, w=w: rms_norm(t, w), x, counts=(1, 17, 33), what="rms_norm")
-        y, s = rms_norm(x, w, 1e-6, res)
-        assert_bitwise(s, x + res, "rms_norm residual sum")
-        assert_bitwise(y, rms_norm(x + res, w, 1e-6), "rms_norm fused vs unfused")
-        gy = torch.randn(67, 72, generator=g).to(device=device, dtype=dtype)
-
-        def dx(idx, w=w, x=x, gy=gy):
-            xi = x[idx.long()].clone().requires_grad_(True)
-            rms_norm(xi, w).backward(gy[idx.long()])
-            return xi.grad
-
-        check_row_invariance(dx, torch.arange(67.0), counts=(1, 17, 33), what="rms_norm dX")

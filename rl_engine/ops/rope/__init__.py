@@ -114,8 +114,14 @@ def rope_qk(
     one launch and evaluates the cos / sin tables once per token.
 
     Args:
-        q: [T, Hq, D]; k: [T, Hk, D] (same T, D and dtype).
-        positions, theta, rotary_dim, is_neox, scaling, backend: as :func:`rope`.
+        q: [T, Hq, D].
+        k: [T, Hk, D] (the same T, D and dtype as ``q``).
+        positions: as :func:`rope`.
+        theta: as :func:`rope`.
+        rotary_dim: as :func:`rope`.
+        is_neox: as :func:`rope`.
+        scaling: as :func:`rope`.
+        backend: as :func:`rope`.
 
     Returns:
         ``(q_rotated, k_rotated)``, each in the input's shape and dtype.
@@ -199,30 +205,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of forward and dX, both layouts (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    n = 67
-    pos = torch.randint(0, 4096, (n,), generator=g).to(device)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(n, 3, 24, generator=g).to(device=device, dtype=dtype)
-        gy = torch.randn(n, 3, 24, generator=g).to(device=device, dtype=dtype)
-        for neox in (True, False):
-            # rows are addressed by index so that x and positions are sliced together
-            def fwd(idx, x=x, neox=neox):
-                i = idx.long()
-                return rope(x[i], pos[i], rotary_dim=16, is_neox=neox)
-
-            def dx(idx, x=x, gy=gy, neox=neox):
-                i = idx.long()
-                xi = x[i].clone().requires_grad_(True)
-                rope(xi, pos[i], rotary_dim=16, is_neox=neox).backward(gy[i])
-                return xi.grad
-
-            idx = torch.arange(float(n), device=device)
-            check_row_invariance(fwd, idx, counts=(1, 17, 33), what=f"rope neox={neox}")
-            check_row_invariance(dx, idx, counts=(1, 17, 33), what=f"rope dX neox={neox}")

@@ -92,21 +92,3 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
-
-
-def self_test(device: str) -> None:
-    """Bitwise row invariance of forward and dX (used by ``rl-engine check``)."""
-    from rl_engine.testing.invariance import check_row_invariance
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (3 * torch.randn(67, 2 * 45, generator=g)).to(device=device, dtype=dtype)
-        gy = torch.randn(67, 45, generator=g).to(device=device, dtype=dtype)
-        check_row_invariance(silu_and_mul, x, counts=(1, 17, 33), what="silu_and_mul")
-
-        def dx(idx, x=x, gy=gy):
-            xi = x[idx.long()].clone().requires_grad_(True)
-            silu_and_mul(xi).backward(gy[idx.long()])
-            return xi.grad
-
-        check_row_invariance(dx, torch.arange(67.0), counts=(1, 17, 33), what="silu_and_mul dX")

@@ -10,7 +10,7 @@ against the same experts' rows of EP = 1's. The other gradients (attention, rout
 shared expert) are data-parallel partial sums at EP > 1, reduced by megatron's data-parallel
 all-reduce afterwards: not compared here.
 
-    python -m rl_engine.testing.ep_check --model PATH --ep 1,2 [--dtype float32]
+    python -m rl_engine.harness.ep_check --model PATH --ep 1,2 [--dtype float32]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.testing.tp_check import batch
+from rl_engine.harness.tp_check import batch
 
 LENGTHS = (7, 12, 4, 9, 5, 11, 3, 6)
 
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
     # the adapter first: importing it quiets megatron-core's import-time notices
     from rl_engine.adapters.megatron import from_pretrained, token_logprobs
     from rl_engine.adapters.megatron.cpu_shim import install
-    from rl_engine.testing._spawn import init
+    from rl_engine.harness._spawn import init
 
     dist = init(rank, world, store)
     from megatron.core import parallel_state
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
 
 def run(model: str, ep: int, out: str, dtype: str = "float32", device: str = "cpu") -> list[dict]:
     """Run the check at degree ``ep`` (``ep`` processes); returns every rank's saved results."""
-    from rl_engine.testing._spawn import spawn
+    from rl_engine.harness._spawn import spawn
 
     spawn(_worker, ep, (model, dtype, out), device)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(ep)]

@@ -4,7 +4,7 @@ token log-probs of a fixed batch and the gradients of their weighted sum; every 
 it holds. :func:`compare` then checks the log-probs against another degree's and each rank's
 gradient shard against the same rows / columns of the other run's (``shard_state`` of TP = 1).
 
-    python -m rl_engine.testing.tp_check --model PATH --tp 1,2,4 [--dtype bfloat16] [--out DIR]
+    python -m rl_engine.harness.tp_check --model PATH --tp 1,2,4 [--dtype bfloat16] [--out DIR]
 
 ``RL_ENGINE_TP_GROUPS`` is set to 8 in every worker (TP = 1 then runs the TP-invariant
 reduction too). Prints one line per degree and exits non-zero on a mismatch.
@@ -13,7 +13,6 @@ reduction too). Prints one line per degree and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,19 +34,16 @@ def batch(vocab: int, lengths=(7, 12, 4, 9)) -> tuple[torch.Tensor, torch.Tensor
 def _worker(
     rank: int, world: int, store: str, model: str, dtype: str, out: str, groups: str, sp: bool
 ) -> None:
-    if groups:
-        os.environ["RL_ENGINE_TP_GROUPS"] = groups
-    else:
-        os.environ.pop("RL_ENGINE_TP_GROUPS", None)
+    from rl_engine.config import set_env
+
+    set_env({"RL_ENGINE_TP_GROUPS": groups})
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
     from rl_engine.adapters.megatron import from_pretrained, token_logprobs
     from rl_engine.adapters.megatron.cpu_shim import install
-    from rl_engine.config import reload
-    from rl_engine.testing._spawn import init
+    from rl_engine.harness._spawn import init
 
-    reload()
     dist = init(rank, world, store)
     parallel_state.initialize_model_parallel(world, 1)
     install()
@@ -110,7 +106,7 @@ def run(
     det_gemm reduction: the negative control). ``device``: ``cpu`` (gloo), ``cuda`` (NCCL, one
     GPU per rank) or ``auto``. ``sequence_parallel``: Megatron's sequence parallelism (TP > 1;
     the token count must divide by ``tp``)."""
-    from rl_engine.testing._spawn import spawn
+    from rl_engine.harness._spawn import spawn
 
     spawn(_worker, tp, (model, dtype, out, groups, sequence_parallel), device)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(tp)]
@@ -124,7 +120,7 @@ def hf_logprobs(
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
-    from rl_engine.testing._spawn import tp_groups_env, use_cuda
+    from rl_engine.harness._spawn import tp_groups_env, use_cuda
 
     with tp_groups_env(groups):
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()

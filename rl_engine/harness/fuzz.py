@@ -16,9 +16,9 @@ chunked-prefill split points; fp32 / bf16 / fp16) and checks, per case:
 Every case is a pure function of ``(op, provider, device, case_seed)``; a failure prints a
 one-line reproducer::
 
-    python -m rl_engine.testing.fuzz --op det_gemm --provider native --device cpu --case-seed 7
+    python -m rl_engine.harness.fuzz --op det_gemm --provider native --device cpu --case-seed 7
 
-``python -m rl_engine.testing.fuzz --cases 10000 --device cuda`` is the GPU run;
+``python -m rl_engine.harness.fuzz --cases 10000 --device cuda`` is the GPU run;
 ``--budget SECONDS`` bounds a run (the CPU CI runs ~2 minutes); ``--workers N`` runs N shards
 of the case list in parallel processes (dealt over the visible GPUs); a report records its
 seed and a hash of the package's sources, and ``--merge A.json B.json --json ALL.json`` adds
@@ -59,7 +59,7 @@ class Case:
 
     def reproducer(self) -> str:
         return (
-            f"python -m rl_engine.testing.fuzz --op {self.op} --provider {self.provider} "
+            f"python -m rl_engine.harness.fuzz --op {self.op} --provider {self.provider} "
             f"--device {self.device} --case-seed {self.seed}"
         )
 
@@ -618,7 +618,9 @@ class _ShardLock:
     process) both are no-ops."""
 
     def __init__(self) -> None:
-        path = os.environ.get(_LOCK_ENV)
+        from rl_engine.config import settings
+
+        path = settings().fuzz_lock
         self._fds = None
         if path:
             self._fds = (os.open(path + ".gate", os.O_CREAT | os.O_RDWR),
@@ -709,7 +711,7 @@ def model_repeats(device: str, n: int = 100) -> dict[str, Any]:
     gradient bitwise equal to the first pass."""
     import tempfile
 
-    from rl_engine.rl.engines import load_trainer
+    from rl_engine.engines import load_trainer
     from rl_engine.testing.tiny_models import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -761,7 +763,7 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
         procs = []
         for i in range(args.workers):
             path = f"{tmp}/shard{i}.json"
-            cmd = [sys.executable, "-m", "rl_engine.testing.fuzz", *base,
+            cmd = [sys.executable, "-m", "rl_engine.harness.fuzz", *base,
                    "--shard", f"{i}/{args.workers}", "--json", path]  # fmt: skip
             env = dict(os.environ)
             gpu = gpus[i % len(gpus)] if gpus else "cpu"
@@ -850,7 +852,7 @@ def merge_reports(reports: list[dict[str, Any]], names: list[str]) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl_engine.testing.fuzz", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m rl_engine.harness.fuzz", description=__doc__)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     ap.add_argument("--cases", type=int, default=200, help="cases to draw (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="master seed (default: %(default)s)")

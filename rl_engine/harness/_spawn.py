@@ -65,19 +65,7 @@ def init(rank: int, world: int, store: str) -> Any:
 def tp_groups_env(groups: str) -> Iterator[None]:
     """``RL_ENGINE_TP_GROUPS=groups`` in this process for the block (``""``: unset), the
     configuration re-read on entry and exit."""
-    from rl_engine.config import reload
+    from rl_engine.config import override_env
 
-    saved = os.environ.get("RL_ENGINE_TP_GROUPS")
-    if groups:
-        os.environ["RL_ENGINE_TP_GROUPS"] = groups
-    else:
-        os.environ.pop("RL_ENGINE_TP_GROUPS", None)
-    reload()
-    try:
+    with override_env({"RL_ENGINE_TP_GROUPS": groups}):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("RL_ENGINE_TP_GROUPS", None)
-        else:
-            os.environ["RL_ENGINE_TP_GROUPS"] = saved
-        reload()

@@ -17,7 +17,7 @@ trainer (p, ``trainer_logp``) scores the same tokens. Per token::
 and KL(rollout || trainer) is estimated from the rollout's own samples: ``k1 = mean(-r)``,
 ``k2 = mean(r**2 / 2)``, ``k3 = mean(exp(r) - 1 - r)`` (Schulman's estimators; k1 is unbiased and
 can be negative on a batch, k2 and k3 are >= 0 token by token). This is the convention of
-:mod:`rl_engine.audit.metrics` and of :func:`rl_engine.ops.ratio_kl` (``logp`` = trainer,
+:mod:`rl_engine.drift.metrics` and of :func:`rl_engine.ops.ratio_kl` (``logp`` = trainer,
 ``old_logp`` = rollout), which computes the per-token ``r``, ``w``, ``k2`` and ``k3`` here.
 
 Every metric is over the masked tokens (``mask`` true / 1) and token-weighted unless its
@@ -275,12 +275,12 @@ class DriftMonitor:
             strict: raise ``RuntimeError`` on a mismatch instead of warning.
         Returns:
             One line per problem (empty: the families match), from
-            :func:`rl_engine.audit.metrics.provenance_check`; e.g. a rollout at TP 1 on plain
+            :func:`rl_engine.drift.metrics.provenance_check`; e.g. a rollout at TP 1 on plain
             ``det_gemm`` and a trainer at TP 2 on the grouped ``det_gemm_tp`` reduction, with
             the fix (``RL_ENGINE_TP_GROUPS=8`` on both sides). Each line is also warned
             (``RuntimeWarning``).
         """
-        from rl_engine.audit.metrics import provenance_check
+        from rl_engine.drift.metrics import provenance_check
 
         problems = provenance_check(rollout_provenance, trainer_provenance)["problems"]
         if problems:

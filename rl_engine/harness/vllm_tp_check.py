@@ -2,7 +2,7 @@
 == the patched Hugging Face trainer, bitwise (sampled tokens and their log-probs), with the
 TP-invariant reduction on every side (``RL_ENGINE_TP_GROUPS=8``).
 
-    python -m rl_engine.testing.vllm_tp_check --model PATH [--tp 2] [--ep]
+    python -m rl_engine.harness.vllm_tp_check --model PATH [--tp 2] [--ep]
 
 ``--ep``: the TP > 1 rollout with ``enable_expert_parallel=True`` (a mixture-of-experts model:
 its experts spread over the ranks, the per-slot outputs summed over the EP group); compared with
@@ -107,7 +107,7 @@ def rollout(
         cmd = [
             sys.executable,
             "-m",
-            "rl_engine.testing.vllm_tp_check",
+            "rl_engine.harness.vllm_tp_check",
             "--worker",
             model,
             str(tp),
@@ -135,7 +135,7 @@ def hf_logprobs(
     from transformers import AutoModelForCausalLM
 
     from rl_engine.adapters.hf import patch_model, token_logprobs
-    from rl_engine.testing._spawn import tp_groups_env
+    from rl_engine.harness._spawn import tp_groups_env
 
     device = "cuda" if _gpu() else "cpu"
     torch_dtype = getattr(torch, dtype or default_dtype())

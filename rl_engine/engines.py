@@ -1,5 +1,7 @@
-"""The rollout engine (vLLM) and the trainers (Hugging Face, Megatron-core), stock or rl_engine,
-as the drift audit and the GRPO loop use them; and the one-process-per-configuration runner.
+"""The engine runner: the rollout engine (vLLM) and the trainers (Hugging Face, Megatron-core),
+stock or rl_engine, as the drift audit (:mod:`rl_engine.audit`), the GRPO loop
+(:mod:`rl_engine.rl`) and the harnesses use them; and the one-process-per-configuration runner.
+It sits below the audit and the loop, which share it and do not import each other.
 
 vLLM's plugin patches, the registry's sticky resolutions and Megatron's CPU shim are all
 process-global, so each configuration (``stock`` / ``rl_engine``) runs in its own process:

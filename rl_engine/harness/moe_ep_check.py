@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from rl_engine.testing import _spawn
+from rl_engine.harness import _spawn
 
 
 def case(device: str = "cpu") -> tuple[torch.Tensor, ...]:

@@ -6,7 +6,7 @@ gradient with the unsharded op on the full tensors (``torch.equal``). The negati
 weight gradient as a per-rank sum all-reduced by the collective (what a ``Partial`` placement
 would do) is not the unsharded op's bits.
 
-    python -m rl_engine.testing.dtensor_check [--ranks 2] [--backend native]
+    python -m rl_engine.harness.dtensor_check [--ranks 2] [--backend native]
 
 Prints one line per check and exits non-zero on a mismatch.
 """
@@ -77,8 +77,8 @@ def _worker(rank: int, world: int, store: str, backend: str, n_cases: int) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+    from rl_engine.harness._spawn import init
     from rl_engine.ops.rms_norm import reference as rms_ref
-    from rl_engine.testing._spawn import init
 
     dist = init(rank, world, store)
     mesh = init_device_mesh("cpu", (world,))
@@ -162,13 +162,13 @@ def _worker(rank: int, world: int, store: str, backend: str, n_cases: int) -> No
 def run(ranks: int = 2, backend: str = "native", cases: int = len(CASES)) -> None:
     """Spawn ``ranks`` gloo processes on the CPU; raises on any mismatch. ``cases``: the first
     that many of :data:`CASES` (the style check and the control always run)."""
-    from rl_engine.testing._spawn import spawn
+    from rl_engine.harness._spawn import spawn
 
     spawn(_worker, ranks, (backend, cases), "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl_engine.testing.dtensor_check")
+    ap = argparse.ArgumentParser(prog="python -m rl_engine.harness.dtensor_check")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--backend", default="native", help="provider of the norms (native, triton)")
     args = ap.parse_args(argv)

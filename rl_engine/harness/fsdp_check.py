@@ -3,7 +3,7 @@
 log-probs as one unwrapped process, bitwise, and, when every rank scores the same batch, the
 same gradients (FSDP's reduce-scatter averages ``t`` equal fp32 terms: exact for t = 2, 4).
 
-    python -m rl_engine.testing.fsdp_check --model PATH [--ranks 2]
+    python -m rl_engine.harness.fsdp_check --model PATH [--ranks 2]
 
 gloo on the CPU, NCCL on GPUs. Prints one line; exits non-zero on a mismatch.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.testing.tp_check import batch
+from rl_engine.harness.tp_check import batch
 
 
 def _score(model: Any) -> torch.Tensor:
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, store: str, model: str, dtype: str, out: str)
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
-    from rl_engine.testing._spawn import init
+    from rl_engine.harness._spawn import init
 
     dist = init(rank, world, store)
     hf = _load(model, dtype, torch.cuda.is_available())  # hidden when the ranks run on the CPU
@@ -82,7 +82,7 @@ def run(
 ) -> list[dict[str, Any]]:
     """FSDP2 over ``ranks`` processes; every rank's log-probs and gathered gradients
     (``device``: ``cpu`` = gloo, ``cuda`` = NCCL with a GPU per rank, ``auto``)."""
-    from rl_engine.testing._spawn import spawn
+    from rl_engine.harness._spawn import spawn
 
     spawn(_worker, ranks, (model, dtype, out), device)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(ranks)]
@@ -93,7 +93,7 @@ def single(
 ) -> dict[str, Any]:
     """The same batch in this process, no FSDP, on the device the ranks of ``run(..., ranks,
     device=device)`` use (a GPU machine runs CPU ranks when asked to: so must this)."""
-    from rl_engine.testing._spawn import use_cuda
+    from rl_engine.harness._spawn import use_cuda
 
     hf = _load(model, dtype, use_cuda(ranks, device))
     logp = _score(hf)
