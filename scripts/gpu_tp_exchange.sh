@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 44 items 1, 2, 5 on a machine with 2+ GPUs (NCCL, symmetric memory; not run on a GPU yet):
-#   1. rl_engine.testing.tp_exchange_check under torchrun at TP 2 (and TP 4 with 4+ GPUs): the
+#   1. rl_engine.harness.tp_exchange_check under torchrun at TP 2 (and TP 4 with 4+ GPUs): the
 #      one-launch subtree == per-group launches, one-shot exchange == NCCL exchange == TP 1 (CUDA
 #      graphs too), a down_proj layer == TP 1; timings by message size -> $OUT/tp_exchange_check_tp<t>.json
 #   2. benchmarks/bench_tp_exchange.py (every power-of-two degree up to the GPU count) with the
@@ -18,7 +18,7 @@ for t in 2 4; do
   [ "$t" -le "$NGPU" ] || continue
   echo "-- tp_exchange_check, TP $t"
   timeout "${STEP_TIMEOUT:-540}" $PY -m torch.distributed.run --standalone --nproc-per-node "$t" \
-    -m rl_engine.testing.tp_exchange_check --out "$OUT" "$@" || status=1
+    -m rl_engine.harness.tp_exchange_check --out "$OUT" "$@" || status=1
 done
 echo "-- bench_tp_exchange"
 timeout "${STEP_TIMEOUT:-540}" $PY benchmarks/bench_tp_exchange.py --out "$OUT/bench" "$@" || status=1

@@ -19,7 +19,7 @@ declare -A rc
 timeout "${T_MEGATRON:-150}" $PY -m rl_engine.harness.ep_check --model $MODEL --ep 1,2,4 \
   --device cuda --dtype bfloat16 > "$OUT/megatron_ep.log" 2>&1; rc[megatron_ep]=$?
 CUDA_VISIBLE_DEVICES=0,1 timeout "${T_PAR:-200}" $PY -m torch.distributed.run --standalone \
-  --nproc-per-node 2 -m rl_engine.testing.tp_exchange_check --out "$OUT" > "$OUT/tp2.log" 2>&1 &
+  --nproc-per-node 2 -m rl_engine.harness.tp_exchange_check --out "$OUT" > "$OUT/tp2.log" 2>&1 &
 p1=$!
 CUDA_VISIBLE_DEVICES=2 SKIP_BENCH=1 OUT="$OUT/csrc" timeout "${T_PAR:-200}" bash scripts/gpu_csrc.sh \
   > "$OUT/csrc.log" 2>&1 &
@@ -29,7 +29,7 @@ CUDA_VISIBLE_DEVICES=3 timeout "${T_PAR:-200}" $PY -m pytest -q -p no:logging \
 p3=$!
 wait $p1; rc[tp2_check]=$?; wait $p2; rc[csrc_tests]=$?; wait $p3; rc[tp_tests]=$?
 timeout "${T_TP4:-150}" $PY -m torch.distributed.run --standalone --nproc-per-node 4 \
-  -m rl_engine.testing.tp_exchange_check --out "$OUT" > "$OUT/tp4.log" 2>&1; rc[tp4_check]=$?
+  -m rl_engine.harness.tp_exchange_check --out "$OUT" > "$OUT/tp4.log" 2>&1; rc[tp4_check]=$?
 timeout "${T_BENCH:-120}" $PY benchmarks/bench_tp_exchange.py --quick --out "$OUT/bench" \
   > "$OUT/bench_tp_exchange.log" 2>&1; rc[bench_tp_exchange]=$?
 for f in megatron_ep tp2 csrc tp_tests tp4 bench_tp_exchange; do

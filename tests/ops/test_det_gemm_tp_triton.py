@@ -10,7 +10,7 @@ The one-shot exchange's combine kernel must give ``finish(combine(subtrees), bia
 NCCL exchange's bits: here its ranks are buffers of one process (barriers off), and ranks in
 processes sharing memory exercise its barriers (interpreter; the interpreter rounds fp32 -> bf16
 by truncation, so fp32 / fp16 outputs). The GPU check with symmetric memory and NCCL is
-``torchrun --nproc-per-node 2 -m rl_engine.testing.tp_exchange_check``.
+``torchrun --nproc-per-node 2 -m rl_engine.harness.tp_exchange_check``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """GPU self-check and timing of the TP reduction's fast paths (issue 44 items 1, 2), one
 process per GPU under torchrun (NCCL, symmetric memory)::
 
-    torchrun --nproc-per-node 2 -m rl_engine.testing.tp_exchange_check --out "$OUT"
-    torchrun --nproc-per-node 4 -m rl_engine.testing.tp_exchange_check --out "$OUT"
+    torchrun --nproc-per-node 2 -m rl_engine.harness.tp_exchange_check --out "$OUT"
+    torchrun --nproc-per-node 4 -m rl_engine.harness.tp_exchange_check --out "$OUT"
 
 Checks, every rank, bitwise (``torch.equal``; any failure: exit status 1):
 
