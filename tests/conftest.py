@@ -115,3 +115,20 @@ def backend_fixture(op: str, device: str | None = None):
         return Backend(name, dev)
 
     return backend
+
+
+def vllm_env_fixture(values: dict[str, str]):
+    """A module-scoped ``env`` fixture for tests that build vLLM engines in this process: sets
+    ``values`` (vLLM's own switches) and unsets ``RL_ENGINE_VLLM`` (each test turns the plugin
+    on or off itself), restoring everything after the module. In a test module:
+    ``env = vllm_env_fixture({...})``."""
+
+    @pytest.fixture(scope="module")
+    def env():
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in values.items():
+                mp.setenv(k, v)
+            mp.delenv("RL_ENGINE_VLLM", raising=False)
+            yield mp
+
+    return env

@@ -29,6 +29,7 @@ vllm = pytest.importorskip("vllm")
 import test_vllm_plugin as vp  # noqa: E402  (tests/adapters: engine and workload helpers)
 
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+from tests.conftest import vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -41,13 +42,7 @@ _TEMPS = (0.0, 0.7, 0.0, 0.0, 0.0, 1.3, 0.0, 0.0)
 _SCORING = {"qwen3_moe": "softmax", "qwen2_moe": "softmax", "mixtral": "topk_softmax"}
 
 
-@pytest.fixture(scope="module")
-def env():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in vp._ENV.items():
-            mp.setenv(k, v)
-        mp.delenv("RL_ENGINE_VLLM", raising=False)
-        yield mp
+env = vllm_env_fixture(vp._ENV)
 
 
 def _workload():

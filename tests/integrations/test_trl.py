@@ -31,6 +31,7 @@ trl = pytest.importorskip("trl")
 
 from rl_engine.integrations import trl as rl_trl  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model, make_tiny_tokenizer  # noqa: E402
+from tests.conftest import vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -45,13 +46,7 @@ _TEMPERATURE = 0.8
 _STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def env():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in _ENV.items():
-            mp.setenv(k, v)
-        mp.delenv("RL_ENGINE_VLLM", raising=False)
-        yield mp
+env = vllm_env_fixture(_ENV)
 
 
 @pytest.fixture(scope="module")
