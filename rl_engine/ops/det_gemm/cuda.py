@@ -43,7 +43,7 @@ from rl_engine.ops.det_gemm.config import (
     CUDA_WGRAD_CONFIG,
     get_cuda_config,
 )
-from rl_engine.ops.det_gemm.reference import _check
+from rl_engine.ops.det_gemm.reference import _check, check_wgrad
 from rl_engine.registry import Provider
 
 __all__ = ["LIB_NAME", "PROVIDER", "det_gemm", "det_gemm_wgrad", "library_path"]
@@ -337,15 +337,7 @@ def det_gemm_wgrad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     Returns:
         fp32 [K, N].
     """
-    if a.dim() != 2 or grad.dim() != 2 or a.shape[0] != grad.shape[0]:
-        raise ValueError(
-            f"det_gemm_wgrad: a {tuple(a.shape)} and grad {tuple(grad.shape)} need the same "
-            "number of rows"
-        )
-    if a.dtype != grad.dtype:
-        raise TypeError(f"det_gemm_wgrad: a is {a.dtype}, grad is {grad.dtype}")
-    if a.device != grad.device:
-        raise ValueError(f"det_gemm_wgrad: a on {a.device}, grad on {grad.device}")
+    check_wgrad(a, grad)
     _check_cuda(a)
     t, ko = a.shape
     n = grad.shape[1]

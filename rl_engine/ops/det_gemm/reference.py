@@ -40,6 +40,20 @@ def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
             raise ValueError(f"det_gemm: bias has {bias.shape[0]} elements, expected {b.shape[1]}")
 
 
+def check_wgrad(a: torch.Tensor, grad: torch.Tensor) -> None:
+    """The inputs of a ``det_gemm_wgrad`` (every provider's): 2-D, the same rows, dtype and
+    device."""
+    if a.dim() != 2 or grad.dim() != 2 or a.shape[0] != grad.shape[0]:
+        raise ValueError(
+            f"det_gemm_wgrad: a {tuple(a.shape)} and grad {tuple(grad.shape)} need the same "
+            "number of rows"
+        )
+    if a.dtype != grad.dtype:
+        raise TypeError(f"det_gemm_wgrad: a is {a.dtype}, grad is {grad.dtype}")
+    if a.device != grad.device:
+        raise ValueError(f"det_gemm_wgrad: a on {a.device}, grad on {grad.device}")
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 ``a @ b`` in the fixed order above; a [M, K], b [K, N] (any dtype, any strides)."""
     m, k = a.shape

@@ -62,7 +62,7 @@ from rl_engine.ops.det_gemm.config import (
     get_tp_subtree_config,
     get_wgrad_config,
 )
-from rl_engine.ops.det_gemm.reference import _check
+from rl_engine.ops.det_gemm.reference import _check, check_wgrad
 
 __all__ = ["PROVIDER", "det_gemm", "det_gemm_tp_subtree", "det_gemm_wgrad"]
 
@@ -959,15 +959,7 @@ def det_gemm_wgrad_with_plan(
     """:func:`det_gemm_wgrad` with an explicit launch plan: ``tma`` (the persistent TMA GEMM
     kernel with K = tokens and ``WGRAD_CHUNK`` chunks), else ``split`` over token chunks or one
     program per tile (``None`` = heuristic). All plans give the same bits."""
-    if a.dim() != 2 or grad.dim() != 2 or a.shape[0] != grad.shape[0]:
-        raise ValueError(
-            f"det_gemm_wgrad: a {tuple(a.shape)} and grad {tuple(grad.shape)} need the same "
-            "number of rows"
-        )
-    if a.dtype != grad.dtype:
-        raise TypeError(f"det_gemm_wgrad: a is {a.dtype}, grad is {grad.dtype}")
-    if a.device != grad.device:
-        raise ValueError(f"det_gemm_wgrad: a on {a.device}, grad on {grad.device}")
+    check_wgrad(a, grad)
     _check_device(a)
     t, ko = a.shape
     n = grad.shape[1]

@@ -53,6 +53,8 @@ _N_COEF = 14
 
 
 if triton is not None:
+    # row sums in ``_common.tree_sum``'s halving order: logp's kernel helper
+    from rl_engine.ops.logp.triton import _tree_sum_rows
 
     @triton.jit
     def _exp64(x, c_ptr, N_COEF: tl.constexpr):
@@ -73,20 +75,13 @@ if triton is not None:
         return tl.where(x != x, x, y)
 
     @triton.jit
-    def _tree_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-        """Row sums of a [ROWS, N] tile in ``_common.tree_sum``'s order (N a power of two)."""
-        for i in tl.static_range(LOG_N):
-            x = tl.sum(tl.reshape(x, (ROWS, 2, N >> (i + 1))), axis=1)
-        return tl.reshape(x, (ROWS,))
-
-    @triton.jit
     def _softmax_rows(v, c_ptr, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr,
                       N_COEF: tl.constexpr):  # fmt: skip
         """``reference.softmax32`` of a [ROWS, N] fp32 tile (padding columns hold -inf)."""
         m = tl.max(v, axis=1)
         d = v - m[:, None]
         e = _exp64(d.to(tl.float64), c_ptr, N_COEF).to(tl.float32)
-        return tl.div_rn(e, _tree_rows(e, ROWS, N, LOG_N)[:, None])
+        return tl.div_rn(e, _tree_sum_rows(e, ROWS, N, LOG_N)[:, None])
 
     @triton.jit
     def _top1(score, avail, cols, BIG: tl.constexpr):
@@ -138,7 +133,7 @@ if triton is not None:
         if SOFTMAX_ALL:
             w = sel
             if RENORM:
-                w = tl.div_rn(w, _tree_rows(w, BLOCK_T, BLOCK_K, LOG_K)[:, None])
+                w = tl.div_rn(w, _tree_sum_rows(w, BLOCK_T, BLOCK_K, LOG_K)[:, None])
         else:
             w = _softmax_rows(sel, c_ptr, BLOCK_T, BLOCK_K, LOG_K, N_COEF)
         omask = rmask[:, None] & (kcols[None, :] < TOP_K)
