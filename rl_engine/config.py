@@ -40,6 +40,10 @@ Variables:
         ``ONESHOT_MAX_BYTES``; the same bits either way). Where it cannot run the exchange's
         construction raises with the reason. Unset / ``0``: NCCL only (the default until the
         one-shot path is measured on GPUs).
+    RL_ENGINE_TP_SUBTREE: how a rank computes its subtree of the TP reduction: ``launch``
+        (default; one kernel where the provider has one) or ``per-group`` (one launch per
+        group, ``tp.subtree_per_group``). The same bits either way (tests check it): a
+        bisection aid when a TP run differs, not a numerics choice.
     RL_ENGINE_FUZZ_LOCK: set by ``python -m rl_engine.harness.fuzz --workers N`` in its shard
         processes: the lock file the shards on one GPU share (not for users).
     TRITON_INTERPRET: read (not owned) to know whether Triton kernels may run on the CPU.
@@ -76,6 +80,7 @@ class Settings:
     check_launch: bool = False
     device_checks: bool = False
     tp_oneshot: bool = False
+    tp_subtree_per_group: bool = False
     tp_groups: int | None = None
     csrc_lib: str | None = None
     fuzz_lock: str | None = None
@@ -117,8 +122,17 @@ def _read(environ: dict[str, str] | os._Environ) -> Settings:
         tp_groups=tp_groups,
         csrc_lib=environ.get(_PREFIX + "CSRC_LIB", "").strip() or None,
         tp_oneshot=environ.get(_PREFIX + "TP_ONESHOT", "0").strip().lower() in _TRUE,
+        tp_subtree_per_group=_subtree(environ.get(_PREFIX + "TP_SUBTREE", "")),
         fuzz_lock=environ.get(_PREFIX + "FUZZ_LOCK") or None,
     )
+
+
+def _subtree(raw: str) -> bool:
+    """``RL_ENGINE_TP_SUBTREE``: ``launch`` (default) or ``per-group``."""
+    raw = raw.strip().lower() or "launch"
+    if raw not in ("launch", "per-group"):
+        raise ValueError(f"{_PREFIX}TP_SUBTREE={raw!r}: expected 'launch' or 'per-group'")
+    return raw == "per-group"
 
 
 _settings: Settings | None = None

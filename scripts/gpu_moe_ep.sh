@@ -7,6 +7,8 @@
 # Needs CUDA vLLM 0.24 with its MoE kernels (the --moe payload, for the stock control) in
 # /tmp/vllm_site and megatron-core in /tmp/site (scripts/gpu_vllm.sh installs both).
 #   EP_DEGREES="2" MEGATRON_EP=1,2 OUT=/tmp/out bash scripts/gpu_moe_ep.sh
+# CONTROL=0 skips the stock rollouts; VLLM_ARGS adds arguments to vllm_tp_check (bisection:
+#   VLLM_ARGS="--variant per-group:RL_ENGINE_TP_SUBTREE=per-group --variant eager:enforce_eager=True").
 # The vLLM check of the first degree runs on GPUs 0..t-1 while the Megatron check runs on the
 # next GPUs (4 GPUs: vLLM TP 2 on 0-1, Megatron EP 1,2 on 2-3).
 set -uo pipefail
@@ -21,6 +23,8 @@ MODEL=/tmp/ep_qwen3_moe
 # Qwen3-30B-A3B widths, 4 layers, 64 experts top-8, a 32k vocabulary (the shape the check needs,
 # smaller to load); every TP-sharded size splits into the 8 groups of the TP reduction
 [ -f $MODEL/config.json ] || $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('$MODEL', arch='qwen3_moe', dtype='bfloat16', seed=0, initializer_range=0.02, num_hidden_layers=4, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, vocab_size=32768, max_position_embeddings=2048)" || exit 2
+CTRL=--control
+[ "${CONTROL:-1}" = 0 ] && CTRL=""
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 status=0
 pids=()
@@ -29,7 +33,7 @@ for t in ${EP_DEGREES:-2}; do
   devs=$(seq -s, 0 $((t - 1)))
   echo "-- vLLM TP $t + EP on GPUs $devs"
   CUDA_VISIBLE_DEVICES=$devs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.vllm_tp_check \
-    --model $MODEL --tp "$t" --ep --control --json "$OUT/vllm_ep$t.json" > "$OUT/vllm_ep$t.log" 2>&1 &
+    --model $MODEL --tp "$t" --ep $CTRL ${VLLM_ARGS:-} --json "$OUT/vllm_ep$t.json" > "$OUT/vllm_ep$t.log" 2>&1 &
   pids+=($!)
   if [ "$first" = 1 ] && [ -n "${MEGATRON_EP:-}" ]; then
     first=0

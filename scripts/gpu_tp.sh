@@ -8,6 +8,7 @@
 #   4. with VLLM_TP=1 (CUDA vLLM importable): vLLM rollout at each TP degree > 1 vs TP 1 vs the
 #      HF trainer, CUDA graphs on, and stock vLLM TP t vs TP 1 as the control.
 # TP_DEGREES=1,2,4 picks the degrees (default: powers of two up to the GPU count, at most 8).
+# VLLM_ARGS: more vllm_tp_check arguments (--variant NAME:KEY=VAL,...: bisection).
 # Run by scripts/gpu_vllm.sh (steps tp, tp-vllm) or alone: OUT=/tmp/out bash scripts/gpu_tp.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,8 @@ step() {
 if [ "${VLLM_TP:-0}" = "1" ]; then
   for t in ${TP_DEGREES//,/ }; do
     [ "$t" = 1 ] && continue
-    step $PY -m rl_engine.harness.vllm_tp_check --model $MODEL --tp "$t" --control --json "$OUT/vllm_tp$t.json"
+    # shellcheck disable=SC2086
+    step $PY -m rl_engine.harness.vllm_tp_check --model $MODEL --tp "$t" --control ${VLLM_ARGS:-} --json "$OUT/vllm_tp$t.json"
   done
 else
   step $PY -m rl_engine.harness.tp_check --model $MODEL --tp "$TP_DEGREES" --device cuda --control --out /tmp/tp_out

@@ -275,6 +275,12 @@ def test_errors(models, ckpts, tmp_path):
     gelu = make_tiny_model(tmp_path / "gelu", "llama", hidden_act="gelu")
     with pytest.raises(ha.UnsupportedModelError, match="hidden_act"):
         ha.patch_model(tc.load_hf(gelu, "float32", patch=False))
+    # a float64 model: refused at patch time (the ops take fp32 / bf16 / fp16), not at its
+    # first forward
+    f64 = tc.load_hf(ckpts[("llama", "float32", False)], "float32", patch=False).double()
+    with pytest.raises(ha.UnsupportedModelError, match="torch.float64"):
+        ha.patch_model(f64)
+    assert not ha.is_patched(f64)
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     )

@@ -69,6 +69,26 @@ def test_subtree_one_launch_equals_per_group(m, k, n, groups, glu, layout, dtype
     assert torch.equal(tpm.subtree(a, b, groups, glu=glu, backend="triton"), want)
 
 
+def test_subtree_env_per_group(monkeypatch):
+    """``RL_ENGINE_TP_SUBTREE=per-group`` (a bisection aid) routes ``tp.subtree`` around the
+    one-launch kernel: same bits, the kernel not called."""
+    from rl_engine import config
+
+    a, b = _shard(6, 64, 16, TRITON_DTYPES[-1], seed=5)
+    want = tpm.subtree(a, b, 4, backend="triton")
+    calls = []
+    extras = gemm_triton.PROVIDER.extras
+    monkeypatch.setitem(extras, "tp_subtree", lambda *x, **kw: calls.append(1))
+    with config.override_env({"RL_ENGINE_TP_SUBTREE": "per-group"}):
+        got = tpm.subtree(a, b, 4, backend="triton")
+    assert not calls and torch.equal(got, want)
+    tpm.subtree(a, b, 4, backend="triton")  # default: the one-launch entry
+    assert calls == [1]
+    with pytest.raises(ValueError, match="TP_SUBTREE"):
+        with config.override_env({"RL_ENGINE_TP_SUBTREE": "x"}):
+            pass
+
+
 def test_subtree_one_launch_every_config_equal():
     """Every config of the launch table (tile shape, warps, stages) gives the same bits."""
     dtype = TRITON_DTYPES[-1]

@@ -360,3 +360,27 @@ def test_gpu_cuda_graph_replay_other_routing():
         torch.cuda.synchronize()
         want = mt.moe_experts(x2, ids2, w13, w2, emap.clone())
         assert_bitwise(y, want, f"graph replay {seed} vs eager")
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 9, 44, 256])
+def test_gpu_expert_parallel_model_shapes(t):
+    """EP 4 of a Qwen3-MoE-shaped layer (64 experts, 16 a rank, vLLM's int32 ``expert_map``):
+    each rank's local slots == the EP 1 rows, its other slots +0, the four ranks' outputs sum to
+    the EP 1 output exactly."""
+    dtype = torch.bfloat16
+    e, k, h, i = 64, 8, 2048, 768
+    w13, w2 = _weights(dtype, e=e, h=h, i=i)
+    x, ids = _inputs(t, dtype, e=e, k=k, h=h)
+    full = mt.moe_experts(x, ids, w13, w2)
+    total = torch.zeros_like(full)
+    for rank in range(4):
+        local = torch.arange(rank * 16, (rank + 1) * 16, device=DEVICE)
+        emap = torch.full((e,), -1, dtype=torch.int32, device=DEVICE)
+        emap[local] = torch.arange(16, dtype=torch.int32, device=DEVICE)
+        y = mt.moe_experts(x, ids, w13[local], w2[local], emap)
+        mine = emap[ids] >= 0
+        assert_bitwise(y[mine], full[mine], f"rank {rank}: local slots == EP 1")
+        assert bool((y[~mine] == 0).all()) and not bool(torch.signbit(y[~mine]).any())
+        total = total + y
+    assert_bitwise(total, full, "EP 4 sum == EP 1")

@@ -593,10 +593,12 @@ def patch_model(
         ``{"patched": [...], "already": [...], "left_alone": [...]}`` module names.
 
     Raises:
-        UnsupportedModelError: unsupported architecture / config, or (strict) unroutable modules.
+        UnsupportedModelError: unsupported architecture / config, parameters in a dtype the ops
+            do not take (float64), or (strict) unroutable modules.
     """
     config = model.config
     _check_config(config)
+    _check_dtypes(model)
     rope_kw = rope_kwargs(config.to_dict())
     spec = _moe_spec(config)
     _register_attention_implementation()
@@ -647,6 +649,25 @@ def patch_model(
         config._attn_implementation = ATTN_NAME
     model._rl_engine_patched = True
     return report
+
+
+# The floating dtypes rl_engine's ops take (every provider; float64 has no kernel family).
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtypes(model: torch.nn.Module) -> None:
+    """Refuse at patch time a model whose floating parameters the ops cannot take (a float64
+    model would pass the patch and fail at its first forward)."""
+    bad = sorted(
+        {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+        - {str(d) for d in _PARAM_DTYPES}
+    )
+    if bad:
+        raise UnsupportedModelError(
+            f"patch_model: parameters in {', '.join(bad)}; rl_engine's ops take "
+            f"{', '.join(str(d) for d in _PARAM_DTYPES)} (cast the model first, e.g. "
+            "model.to(torch.float32))"
+        )
 
 
 def is_patched(model: torch.nn.Module) -> bool:

@@ -153,11 +153,14 @@ def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
     own number of groups (``TP_GROUPS / tp``).
 
     A provider with a ``tp_subtree`` entry (Triton) computes it in one launch, group products
-    and tree; otherwise :func:`subtree_per_group`. Both are the same bits (a test checks it).
+    and tree; otherwise (or with ``RL_ENGINE_TP_SUBTREE=per-group``) :func:`subtree_per_group`.
+    Both are the same bits (a test checks it).
     ``out``: an fp32 ``[M, N]`` destination (e.g. the one-shot exchange's buffer)."""
     _check_subtree(a, b, groups, glu)
+    from rl_engine.config import settings
+
     fused = _provider(a.device, backend).extras.get("tp_subtree")
-    if fused is not None:
+    if fused is not None and not settings().tp_subtree_per_group:
         return fused(a, b, groups, glu=glu, out=out)
     sub = subtree_per_group(a, b, groups, glu=glu, backend=backend)
     return sub if out is None else out.copy_(sub)
