@@ -58,6 +58,8 @@ CONFIGS = {
     # the plugin with the split-KV attention family (opt-in until measured; not in the default
     # list: --configs stock,rl_engine,rl_engine_split)
     "rl_engine_split": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_BACKEND_ATTENTION": "triton_split"},
+    # TP > 1: the one-shot symmetric-memory exchange for small messages (opt-in until measured)
+    "rl_engine_oneshot": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_TP_ONESHOT": "1"},
 }
 MODELS = {
     "qwen2_1b": family_config("qwen2", **QWEN2_1B, max_positions=4096),

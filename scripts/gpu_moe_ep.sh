@@ -7,6 +7,7 @@
 # Needs CUDA vLLM 0.24 with its MoE kernels (the --moe payload, for the stock control) in
 # /tmp/vllm_site and megatron-core in /tmp/site (scripts/gpu_vllm.sh installs both).
 #   EP_DEGREES="2" MEGATRON_EP=1,2 OUT=/tmp/out bash scripts/gpu_moe_ep.sh
+# FIRST_GPU=2 starts the vLLM check at GPU 2 (another job on GPUs 0-1).
 # CONTROL=0 skips the stock rollouts; VLLM_ARGS adds arguments to vllm_tp_check (bisection:
 #   VLLM_ARGS="--variant per-group:RL_ENGINE_TP_SUBTREE=per-group --variant eager:enforce_eager=True").
 # The vLLM check of the first degree runs on GPUs 0..t-1 while the Megatron check runs on the
@@ -30,7 +31,7 @@ status=0
 pids=()
 first=1
 for t in ${EP_DEGREES:-2}; do
-  devs=$(seq -s, 0 $((t - 1)))
+  devs=$(seq -s, "${FIRST_GPU:-0}" $((${FIRST_GPU:-0} + t - 1)))
   echo "-- vLLM TP $t + EP on GPUs $devs"
   CUDA_VISIBLE_DEVICES=$devs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.vllm_tp_check \
     --model $MODEL --tp "$t" --ep $CTRL ${VLLM_ARGS:-} --json "$OUT/vllm_ep$t.json" > "$OUT/vllm_ep$t.log" 2>&1 &
