@@ -10,6 +10,8 @@
 #   SKIP_FUZZ=1 / FUZZ_CASES=10000 / FUZZ_BUDGET=480 / FUZZ_WORKERS=1 / FUZZ_SEED=0 /
 #   FUZZ_EXTRAS=1: the invariance fuzzing step (FUZZ_WORKERS processes share the GPU; a
 #   different FUZZ_SEED draws a different case list)
+#   REQUIRE="vllm megatron liger": components the run must have; one that does not import fails
+#   the run at once (and a test skipped for lack of one fails: pytest --require), no silent skip
 #   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters tests/audit/test_drift_monitor.py; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
@@ -41,6 +43,27 @@ import torch, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
 PYEOF
+REQ_ARGS=()
+if [ -n "${REQUIRE:-}" ]; then
+  # every component named must import here (megatron-core from .whl/ above, vLLM from
+  # /tmp/vllm_site when PYTHONPATH has it), before any test or benchmark runs
+  $PY - ${REQUIRE} <<'PYEOF' || { echo "REQUIRE=\"$REQUIRE\": a required component is missing"; exit 3; }
+import importlib, sys
+sys.path.insert(0, "tests")
+from conftest import COMPONENTS
+bad = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(COMPONENTS[name])
+    except (ImportError, KeyError) as exc:
+        bad.append(f"{name}: {exc!r}")
+print("required components:", ", ".join(sys.argv[1:]), "- missing:" if bad else "- all import")
+for b in bad:
+    print("  ", b)
+sys.exit(1 if bad else 0)
+PYEOF
+  REQ_ARGS=(--require "${REQUIRE// /,}")
+fi
 GPU=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.gpu_slug())")
 RES="$ROOT/benchmarks/results/$GPU"
 mkdir -p "$RES"
@@ -58,7 +81,7 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   # pytest in a process group of its own (scripts/_run_group.sh): a timed-out run can leave
   # pytest-xdist workers behind, which must not share the GPU and the CPU with the benchmarks
   RL_ENGINE_CHECK_LAUNCH=1 run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
-    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs $XDIST ${PYTEST_ARGS:-}
+    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs $XDIST "${REQ_ARGS[@]}" ${PYTEST_ARGS:-}
   status=$?
   echo "pytest exit status: $status"
   # machine-readable result next to the log (counts from pytest's last line)

@@ -7,6 +7,72 @@ import os
 import pytest
 import torch
 
+# Components a run must have (``pytest --require vllm,megatron``; scripts/gpu_check.sh passes
+# its REQUIRE): a test or a test module skipped because one of them does not import then fails.
+COMPONENTS = {"vllm": "vllm", "megatron": "megatron.core", "liger": "liger_kernel", "trl": "trl"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require",
+        default="",
+        help=f"comma-separated components ({', '.join(COMPONENTS)}) whose absence fails the "
+        "run instead of skipping tests",
+    )
+
+
+def required_modules(value: str) -> list[str]:
+    """The modules of ``--require``'s components (an unknown name is a usage error)."""
+    names = [n.strip() for n in value.replace(" ", ",").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(COMPONENTS))
+    if unknown:
+        raise pytest.UsageError(f"--require: unknown {unknown}; known: {sorted(COMPONENTS)}")
+    return [COMPONENTS[n] for n in names]
+
+
+def missing_required(reason: str, modules: list[str]) -> str | None:
+    """The required module a skip ``reason`` names as not importable (``pytest.importorskip``'s
+    "could not import 'x'"), or ``None``."""
+    for mod in modules:
+        root = mod.split(".")[0]
+        if f"could not import '{mod}" in reason or f"could not import '{root}" in reason:
+            return mod
+    return None
+
+
+def pytest_sessionstart(session):
+    import importlib
+
+    for mod in required_modules(session.config.getoption("--require")):
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            raise pytest.UsageError(f"--require: {mod} does not import: {exc}") from exc
+
+
+def _fail_required_skip(config, report) -> None:
+    modules = required_modules(config.getoption("--require"))
+    if not modules or not report.skipped:
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    mod = missing_required(reason, modules)
+    if mod is not None:
+        report.outcome = "failed"
+        report.longrepr = f"skipped without a required component ({mod}): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_required_skip(item.config, outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_required_skip(collector.config, outcome.get_result())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _deterministic_session():
