@@ -4,7 +4,8 @@ engine, and its refusals.
 One tiny bf16 Llama (2 layers, hidden 128, vocab 512, generated locally with a word-level
 tokenizer; no downloads) and two trainers of the same case in this process (TRL's colocate mode
 runs vLLM in-process): 2 GRPO steps, 2 prompts x 2 completions x 8 tokens a step, a weight sync
-from the trainer into vLLM before the second generation.
+from the trainer into vLLM before the second generation. The case and the runs are
+``rl_engine.harness.trl_check``'s (its CPU case; ``--device cuda`` runs it on a GPU).
 
 * with rl_engine (the plugin applied before the trainer is built, then ``enable``): TRL's own
   vLLM importance-sampling ratio is exactly 1.0 on every completion token of both steps
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import random
 import re
 from types import SimpleNamespace
 
@@ -29,128 +29,41 @@ import torch
 pytest.importorskip("vllm")
 trl = pytest.importorskip("trl")
 
+from rl_engine.harness import trl_check  # noqa: E402
 from rl_engine.integrations import trl as rl_trl  # noqa: E402
-from rl_engine.testing.tiny_models import make_tiny_model, make_tiny_tokenizer  # noqa: E402
 from tests.conftest import vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-_TEMPERATURE = 0.8
-_STEPS = 2
+# the case (model, prompts, GRPOConfig) is the harness's CPU case, which
+# ``python -m rl_engine.harness.trl_check`` runs on the CPU and, with --device cuda, on a GPU
+_CASE = trl_check.CASES["cpu"]
+_STEPS = _CASE.steps
+assert _CASE.temperature == 0.8  # the refusal cases below name it
 
 
-env = vllm_env_fixture(_ENV)
+env = vllm_env_fixture(_CASE.env)
 
 
 @pytest.fixture(scope="module")
 def model_path(env, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_bf16")
-    make_tiny_model(path, arch="llama", dtype="bfloat16", seed=1)
-    return make_tiny_tokenizer(path)
-
-
-def _dataset():
-    from datasets import Dataset
-
-    rng = random.Random(0)
-    prompts = [
-        " ".join(f"t{rng.randrange(3, 512)}" for _ in range(rng.randrange(3, 9))) for _ in range(8)
-    ]
-    return Dataset.from_dict({"prompt": prompts})
-
-
-def _id_sum_reward(completion_ids, **kwargs):
-    # rewards that differ within a group (nonzero advantages, so the weights do change)
-    return [float(sum(ids) % 101) for ids in completion_ids]
-
-
-def _trainer(path: str, out_dir, **overrides):
-    args = dict(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=_STEPS,
-        learning_rate=1e-3,
-        temperature=_TEMPERATURE,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=64,
-        # the per-token ratio (TRL's default mode is per sequence)
-        vllm_importance_sampling_mode="token_truncate",
-        model_init_kwargs={"dtype": "bfloat16"},  # the engine's dtype (vLLM: the checkpoint's)
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    args.update(overrides)
-    return trl.GRPOTrainer(
-        model=path,
-        reward_funcs=_id_sum_reward,
-        args=trl.GRPOConfig(**args),
-        train_dataset=_dataset(),
-    )
-
-
-def _vllm_model(trainer):
-    return trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
-
-
-def _record(trainer) -> list[dict]:
-    """Wrap the generation step (outermost) to keep TRL's batch and the weights' state."""
-    records: list[dict] = []
-    inner = trainer._generate_and_score_completions
-    initial = trainer.model.lm_head.weight.detach().clone()
-
-    def generate_and_score(inputs):
-        out = inner(inputs)
-        head = trainer.model.lm_head.weight.detach()
-        records.append(
-            {
-                "ratio": out["importance_sampling_ratio"].clone(),
-                "mask": out["completion_mask"].bool().clone(),
-                "sampling": out["sampling_per_token_logps"].clone(),
-                "trainer": out["old_per_token_logps"].clone(),
-                "changed": not torch.equal(head, initial),
-                "synced": torch.equal(
-                    dict(_vllm_model(trainer).named_parameters())["lm_head.weight"], head
-                ),
-            }
-        )
-        return out
-
-    trainer._generate_and_score_completions = generate_and_score
-    return records
+    return trl_check.make_model(str(tmp_path_factory.mktemp("tiny_llama_bf16")), _CASE)
 
 
 @pytest.fixture(scope="module")
 def runs(env, model_path, tmp_path_factory):
     from rl_engine.adapters import vllm as rl_vllm
 
-    rl_vllm.remove()
-    control = _trainer(model_path, tmp_path_factory.mktemp("control"))
-    control_records = _record(control)
-    control.train()
-
-    # what RL_ENGINE_VLLM=1 does when vLLM loads its plugins; the patches are class
-    # attributes, so they stay applied while the engine built with them runs
-    rl_vllm.apply()
+    control, control_records = trl_check.run_arm(
+        model_path, str(tmp_path_factory.mktemp("control")), _CASE, plugin=False
+    )
     try:
-        trainer = _trainer(model_path, tmp_path_factory.mktemp("rl_engine"))
-        rl_trl.enable(trainer)
-        records = _record(trainer)
-        trainer.train()
+        # plugin=True: rl_engine.adapters.vllm.apply() (what RL_ENGINE_VLLM=1 does when vLLM
+        # loads its plugins) before the trainer is built, then enable(); the patches are class
+        # attributes, so they stay applied while the engine built with them runs
+        trainer, records = trl_check.run_arm(
+            model_path, str(tmp_path_factory.mktemp("rl_engine")), _CASE, plugin=True
+        )
         yield SimpleNamespace(
             trainer=trainer, records=records, control=control, control_records=control_records
         )
@@ -295,3 +208,27 @@ def test_trl_refuses_other_trainers():
     assert "GRPOTrainer" in rl_trl.check(object())[0]
     with pytest.raises(rl_trl.UnsupportedTrainerError, match="GRPOTrainer"):
         rl_trl.enable(object())
+
+
+# ------------------------------------------------------------------ the harness's verdict
+def test_trl_check_verdict_of_these_runs(runs):
+    """``python -m rl_engine.harness.trl_check`` judges runs as these tests do: these pass, and
+    the verdict fails when the arms are swapped (a ratio not 1 with rl_engine, a control at
+    exactly 1)."""
+    ours = trl_check.summarize(runs.records, runs.trainer)
+    stock = trl_check.summarize(runs.control_records, runs.control)
+    ok, lines = trl_check.verdict({"rl_engine": ours, "control": stock}, _STEPS)
+    assert ok, lines
+    assert lines[-1] == "VERDICT: PASS"
+    assert all(s["ratio_min"] == s["ratio_max"] == 1.0 for s in ours["steps"])
+    assert sum(s["ratio_not_one"] for s in stock["steps"]) > 0
+    logged = [h for h in ours["log"] if "rl_engine/drift/bitwise_equal_frac" in h]
+    assert len(logged) == _STEPS
+    assert all(h["rl_engine/drift/bitwise_equal_frac"] == 1.0 for h in logged)
+    ok, lines = trl_check.verdict({"rl_engine": stock, "control": ours}, _STEPS)
+    assert not ok and lines[-1] == "VERDICT: FAIL"
+    assert any(line.startswith("rl_engine FAIL: step 0: ratio != 1.0") for line in lines), lines
+    assert any("exactly 1.0 everywhere" in line for line in lines), lines
+    # a missing step is not a pass
+    ok, lines = trl_check.verdict({"rl_engine": {"steps": ours["steps"][:1]}}, _STEPS)
+    assert not ok and any(f"1 of {_STEPS} steps" in line for line in lines), lines
