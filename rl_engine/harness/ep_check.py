@@ -100,10 +100,8 @@ def compare(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _spawn.degrees_parser(
-        __doc__, "ep", "1,2", model="Hugging Face MoE checkpoint folder", dtype="float32",
-        device="cpu",
-    )  # fmt: skip
+    p = _spawn.degrees_parser(__doc__, "ep", "1,2", dtype="float32", device="cpu",
+                              model="Hugging Face MoE checkpoint folder")  # fmt: skip
     args = p.parse_args(argv)
     degrees, out = _spawn.degrees_and_out(args, "ep", "ep_check_")
     runs = {e: run(args.model, e, str(out / f"ep{e}"), args.dtype, args.device) for e in degrees}

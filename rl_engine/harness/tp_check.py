@@ -151,10 +151,8 @@ def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _spawn.degrees_parser(
-        __doc__, "tp", "1,2,4", model="Hugging Face checkpoint folder", dtype="bfloat16",
-        device="auto",
-    )  # fmt: skip
+    p = _spawn.degrees_parser(__doc__, "tp", "1,2,4", dtype="bfloat16", device="auto",
+                              model="Hugging Face checkpoint folder")  # fmt: skip
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron's SP at TP > 1")
     p.add_argument("--control", action="store_true",
                    help="also TP 1 with the plain det_gemm reduction (expected to differ)")  # fmt: skip
