@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -49,78 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
 
+from rl_engine.harness.timing import RankTimer  # noqa: E402
+
 HIDDEN = 4096
 LAYERS = (("o_proj", 4096), ("down_proj", 14336))  # Llama-3-8B row-parallel layers: (name, K)
 SMOKE = {"hidden": 256, "layers": (("o_proj", 256), ("down_proj", 896))}  # --device cpu
-
-
-def _timer(dist, group, cuda: bool, iters: int):
-    """``timed(fn)``: median over 5 repeats of ``iters`` eager calls, slowest rank,
-    microseconds; ``graphed(fn)``: the same calls captured in one CUDA graph and replayed (GPU
-    time only, as vLLM's CUDA graphs run them: no host launch cost), or ``None`` without CUDA
-    or when the capture fails (the reason printed)."""
-
-    def slowest(reps: list[float]) -> float:
-        t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
-        t = t.cuda() if cuda else t
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
-
-    def run_timed(launch) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier(group=group)
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            launch()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e) * 1e3 / iters
-        t0 = time.perf_counter()
-        launch()
-        return (time.perf_counter() - t0) * 1e6 / iters
-
-    def many(fn):
-        def launch():
-            for _ in range(iters):
-                fn()
-
-        return launch
-
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        return slowest([run_timed(many(fn)) for _ in range(5)])
-
-    def graphed(fn) -> float | None:
-        if not cuda:
-            return None
-        ok = torch.ones(1, device="cuda")
-        graph = None
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            dist.barrier(group=group)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                many(fn)()
-        except Exception as exc:  # said, and the row says None
-            print(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", flush=True)
-            ok.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if not bool(ok.item()):
-            return None
-        reps = [run_timed(graph.replay) for _ in range(5)]
-        del graph
-        return slowest(reps)
-
-    return timed, graphed
 
 
 def _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dict]:
@@ -321,7 +252,8 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
     for t in degrees:
         group = dist.new_group(list(range(t)))
         if rank < t:
-            timers = _timer(dist, group, cuda, iters)
+            timer = RankTimer(dist, group, iters, cuda=cuda)
+            timers = (timer.eager, timer.graph)
             rows += _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden)
             rows += _layer_rows(dist, group, t, rank, dev, timers, layer_tokens, hidden, layers)
             if cuda:

@@ -10,7 +10,7 @@ the others' checks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -133,23 +133,29 @@ def _rope(device: str) -> None:
             check_row_invariance(dx, idx, counts=(1, 17, 33), what=f"rope dX neox={neox}")
 
 
-def _logp(device: str) -> None:
-    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
-    from rl_engine.ops.logp import logp
+def _logits(device: str) -> Iterator[tuple[torch.dtype, torch.Tensor]]:
+    """``(dtype, logits [24, V])`` in fp32 then bf16 (one generator, seed 0), V two vocabulary
+    tiles of ``logp`` / ``entropy``, the second one partial."""
     from rl_engine.ops.logp.reference import VOCAB_TILE
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    vocab = VOCAB_TILE + 77  # two tiles, the second one partial
     for dtype in (torch.float32, torch.bfloat16):
-        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
+        yield dtype, (3 * torch.randn(24, VOCAB_TILE + 77, generator=g)).to(device, dtype)
+
+
+def _logp(device: str) -> None:
+    """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
+    from rl_engine.ops.logp import logp
+
+    for dtype, x in _logits(device):
 
         def fwd(rows):
-            tok = (rows[:, 0].float().abs() * 1000).long() % vocab
+            tok = (rows[:, 0].float().abs() * 1000).long() % rows.shape[1]
             return logp(rows, tok, 0.7)
 
         def dx(rows):
             rows = rows.clone().requires_grad_(True)
-            tok = (rows[:, 0].detach().float().abs() * 1000).long() % vocab
+            tok = (rows[:, 0].detach().float().abs() * 1000).long() % rows.shape[1]
             logp(rows, tok, 0.7).backward(rows[:, 1].detach().float() + 0.5)
             return rows.grad
 
@@ -160,12 +166,8 @@ def _logp(device: str) -> None:
 def _entropy(device: str) -> None:
     """Quick bitwise row-invariance check of forward and dlogits (used by ``rl-engine check``)."""
     from rl_engine.ops.entropy import entropy
-    from rl_engine.ops.logp.reference import VOCAB_TILE
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    vocab = VOCAB_TILE + 77  # two tiles, the second one partial
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (3 * torch.randn(24, vocab, generator=g)).to(device=device, dtype=dtype)
+    for dtype, x in _logits(device):
 
         def dx(rows):
             rows = rows.clone().requires_grad_(True)

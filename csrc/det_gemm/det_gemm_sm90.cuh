@@ -162,7 +162,38 @@ int64_t run_gemm(const rle_gemm_args* p) {
   return 0;
 }
 
-// The instantiations, one translation unit per (dtype, product) so that they build in parallel.
+using RowMajor = cutlass::layout::RowMajor;
+using ColMajor = cutlass::layout::ColumnMajor;
+
+// One product (operand layouts, output element) of element type `E` at the launch config `cfg`
+// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL is built for it (not for the fp32 weight gradient).
+template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
+int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
+  switch (cfg) {
+    case RLE_CFG_LARGE: return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLarge>>(p);
+    case RLE_CFG_MID: return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMid>>(p);
+    case RLE_CFG_SMALL:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmall>>(p);
+      break;
+  }
+  set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);
+  return -1;
+}
+
+// Defines gemm_<NAME>_nt, _nn and _wgrad (the products RLE_NT, RLE_NN, RLE_WGRAD of
+// det_gemm_sm90.h, declared below) for the element type ELEM. gemm_bf16.cu and gemm_fp16.cu hold
+// one each: one translation unit per element type, so that the two build in parallel.
+#define RLE_DEFINE_PRODUCTS(NAME, ELEM)                                  \
+  int64_t gemm_##NAME##_nt(const rle_gemm_args* p, int cfg) {            \
+    return run_gemm_cfg<ELEM, RowMajor, ColMajor, ELEM, true>(p, cfg);   \
+  }                                                                      \
+  int64_t gemm_##NAME##_nn(const rle_gemm_args* p, int cfg) {            \
+    return run_gemm_cfg<ELEM, RowMajor, RowMajor, ELEM, true>(p, cfg);   \
+  }                                                                      \
+  int64_t gemm_##NAME##_wgrad(const rle_gemm_args* p, int cfg) {         \
+    return run_gemm_cfg<ELEM, ColMajor, RowMajor, float, false>(p, cfg); \
+  }
+
 #define RLE_DECLARE(NAME) int64_t NAME(const rle_gemm_args* p, int cfg);
 RLE_DECLARE(gemm_bf16_nt)
 RLE_DECLARE(gemm_bf16_nn)

@@ -17,7 +17,7 @@ __all__ = ["METRIC_DOCS", "METRIC_NAMES", "DriftMonitor"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from rl_engine.drift import monitor
+        import rl_engine.drift
 
-        return getattr(monitor, name)
+        return getattr(rl_engine.drift, name)  # rl_engine.drift loads it on first use
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

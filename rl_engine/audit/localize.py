@@ -57,32 +57,33 @@ def hook_points(model: Any, kind: str) -> list[tuple[str, torch.nn.Module]]:
         base = model.model
         pts = [("embed", base.embed_tokens)]
         for i, layer in enumerate(base.layers):
-            pts += [
-                (f"L{i}.input_norm", layer.input_layernorm),
-                (f"L{i}.attn", layer.self_attn),
-                (f"L{i}.post_attn_norm", layer.post_attention_layernorm),
-            ]
-            router = _router_module(layer.mlp, kind)
-            if router is not None:
-                pts.append((f"L{i}.router", router))
-            pts.append((f"L{i}.mlp", layer.mlp))
+            pts += _layer_points(i, layer, layer.self_attn, layer.post_attention_layernorm, kind)
         return pts + [("final_norm", base.norm)]
     if kind == "megatron":
         while hasattr(model, "module") and not hasattr(model, "decoder"):
             model = model.module  # DDP / Float16Module wrappers
         pts = [("embed", model.embedding)]
         for i, layer in enumerate(model.decoder.layers):
-            pts += [
-                (f"L{i}.input_norm", layer.input_layernorm),
-                (f"L{i}.attn", layer.self_attention),
-                (f"L{i}.post_attn_norm", layer.pre_mlp_layernorm),
-            ]
-            router = _router_module(layer.mlp, kind)
-            if router is not None:
-                pts.append((f"L{i}.router", router))
-            pts.append((f"L{i}.mlp", layer.mlp))
+            pts += _layer_points(i, layer, layer.self_attention, layer.pre_mlp_layernorm, kind)
         return pts + [("final_norm", model.decoder.final_layernorm)]
     raise ValueError(f"unknown engine kind {kind!r}: expected hf, vllm or megatron")
+
+
+def _layer_points(
+    i: int, layer: torch.nn.Module, attn: torch.nn.Module, post_norm: torch.nn.Module, kind: str
+) -> list[tuple[str, torch.nn.Module]]:
+    """Decoder layer ``i``'s points in compute order: input norm, attention ``attn``, the norm
+    before the MLP ``post_norm``, the router (MoE only), the MLP."""
+    pts = [
+        (f"L{i}.input_norm", layer.input_layernorm),
+        (f"L{i}.attn", attn),
+        (f"L{i}.post_attn_norm", post_norm),
+    ]
+    router = _router_module(layer.mlp, kind)
+    if router is not None:
+        pts.append((f"L{i}.router", router))
+    pts.append((f"L{i}.mlp", layer.mlp))
+    return pts
 
 
 def _router_module(mlp: torch.nn.Module, kind: str) -> torch.nn.Module | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,3 +71,28 @@ def tp_groups_env(groups: str) -> Iterator[None]:
 
     with override_env({"RL_ENGINE_TP_GROUPS": groups}):
         yield
+
+
+def degrees_parser(
+    doc: str, flag: str, degrees: str, *, model: str, dtype: str, device: str
+) -> argparse.ArgumentParser:
+    """The command line of a check that compares parallel degrees (the first of ``--<flag>``
+    the base): ``--model`` (help ``model``), ``--<flag>`` (default ``degrees``), ``--dtype``,
+    ``--out`` and ``--device`` (defaults ``dtype`` and ``device``); ``doc``'s first paragraph
+    describes it. Read the parsed arguments with :func:`degrees_and_out`."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", required=True, help=model)
+    p.add_argument(f"--{flag}", default=degrees, help="degrees, comma separated (the first: base)")
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--out", default=None, help="folder for the per-rank results")
+    p.add_argument("--device", default=device, help="cpu, cuda (a GPU per rank) or auto")
+    return p
+
+
+def degrees_and_out(args: argparse.Namespace, flag: str, prefix: str) -> tuple[list[int], Path]:
+    """The degrees of ``args.<flag>`` and the results folder (``args.out``, else a new temporary
+    folder named ``prefix...``), created."""
+    degrees = [int(x) for x in getattr(args, flag).split(",")]
+    out = Path(args.out or tempfile.mkdtemp(prefix=prefix))
+    out.mkdir(parents=True, exist_ok=True)
+    return degrees, out

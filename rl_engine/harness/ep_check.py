@@ -15,14 +15,12 @@ all-reduce afterwards: not compared here.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from rl_engine.harness import _spawn
 from rl_engine.harness.tp_check import batch
 
 LENGTHS = (7, 12, 4, 9, 5, 11, 3, 6)
@@ -102,16 +100,10 @@ def compare(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Hugging Face MoE checkpoint folder")
-    p.add_argument("--ep", default="1,2", help="degrees, comma separated (the first: base)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", default=None, help="folder for the per-rank results")
-    p.add_argument("--device", default="cpu", help="cpu, cuda (a GPU per rank) or auto")
+    p = _spawn.degrees_parser(__doc__, "ep", "1,2", dtype="float32", device="cpu",
+                              model="Hugging Face MoE checkpoint folder")  # fmt: skip
     args = p.parse_args(argv)
-    degrees = [int(x) for x in args.ep.split(",")]
-    out = Path(args.out or tempfile.mkdtemp(prefix="ep_check_"))
-    out.mkdir(parents=True, exist_ok=True)
+    degrees, out = _spawn.degrees_and_out(args, "ep", "ep_check_")
     runs = {e: run(args.model, e, str(out / f"ep{e}"), args.dtype, args.device) for e in degrees}
     status = 0
     for e in degrees[1:]:

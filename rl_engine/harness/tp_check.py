@@ -12,13 +12,12 @@ reduction too). Prints one line per degree and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from rl_engine.harness import _spawn
 
 BATCH_SEED = 1234
 
@@ -152,19 +151,13 @@ def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
-    p.add_argument("--tp", default="1,2,4", help="degrees, comma separated (the first: base)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--out", default=None, help="folder for the per-rank results")
-    p.add_argument("--device", default="auto", help="cpu, cuda (a GPU per rank) or auto")
+    p = _spawn.degrees_parser(__doc__, "tp", "1,2,4", dtype="bfloat16", device="auto",
+                              model="Hugging Face checkpoint folder")  # fmt: skip
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron's SP at TP > 1")
     p.add_argument("--control", action="store_true",
                    help="also TP 1 with the plain det_gemm reduction (expected to differ)")  # fmt: skip
     args = p.parse_args(argv)
-    degrees = [int(x) for x in args.tp.split(",")]
-    out = Path(args.out or tempfile.mkdtemp(prefix="tp_check_"))
-    out.mkdir(parents=True, exist_ok=True)
+    degrees, out = _spawn.degrees_and_out(args, "tp", "tp_check_")
     runs = {
         t: run(
             args.model,

@@ -34,11 +34,12 @@ import argparse
 import datetime as _dt
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+from rl_engine.harness.timing import RankTimer
 
 HIDDEN = 4096
 FFN = 14336
@@ -48,55 +49,6 @@ DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def _log(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, flush=True)
-
-
-class _Timer:
-    """``eager(fn)`` / ``graph(fn)``: microseconds per call, median of 5 repeats of ``iters``
-    calls, the slowest rank's (all ranks call in step: the collectives need it)."""
-
-    def __init__(self, dist, group, iters: int) -> None:
-        self.dist, self.group, self.iters = dist, group, iters
-
-    def _slowest(self, us: float) -> float:
-        t = torch.tensor([us], dtype=torch.float64, device="cuda")
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return float(t.item())
-
-    def _run(self, launch) -> float:
-        torch.cuda.synchronize()
-        self.dist.barrier(group=self.group)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        launch()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) * 1e3 / self.iters
-
-    def eager(self, fn) -> float:
-        def launch():
-            for _ in range(self.iters):
-                fn()
-
-        for _ in range(3):
-            fn()
-        return self._slowest(statistics.median(self._run(launch) for _ in range(5)))
-
-    def graph(self, fn) -> float:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        self.dist.barrier(group=self.group)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(self.iters):
-                fn()
-        us = statistics.median(self._run(g.replay) for _ in range(5))
-        del g
-        return self._slowest(us)
 
 
 def _agree(dist, group, ok: bool) -> bool:
@@ -301,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     t, rank = dist.get_world_size(), dist.get_rank()
     skip = set(filter(None, args.skip.split(",")))
     tokens = (1, 16, 64, 256) if args.quick else DECODE_TOKENS
-    timer = _Timer(dist, group, 10 if args.quick else 50)
+    timer = RankTimer(dist, group, 10 if args.quick else 50)
     # one-shot for every size measured here (1 - 256 tokens x 4096: up to 4 MiB of fp32)
     one = tpm.Exchange.over(group, one_shot=False)
     one.one_shot = oneshot.OneShot.over(group, max_bytes=4 * max(tokens) * HIDDEN)

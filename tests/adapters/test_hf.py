@@ -127,12 +127,7 @@ def test_stock_hf_mismatches(ckpts):
     """The "before" picture: stock transformers (fp32, this CPU) gives a sequence alone other
     logits than the same sequence inside a padded batch."""
     model = tc.load_hf(ckpts[("llama", "float32", False)], "float32", patch=False)
-    seqs = tc.sequences()
-    ids, mask = tc.right_padded(seqs)
-    with torch.no_grad():
-        full = model(ids, attention_mask=mask).logits
-        alone = [model(s[None]).logits[0] for s in seqs]
-    mism = tc.count_mismatches(alone, [full[i, : s.numel()] for i, s in enumerate(seqs)])
+    mism = tc.alone_vs_batch_mismatches(model, tc.sequences())
     assert mism > 0, "stock transformers happened to be invariant on this machine"
 
 
@@ -164,20 +159,8 @@ def test_backward_deterministic(models):
     model = models[("llama", "float32", False)]
     seqs = tc.sequences()[1:4]
     ids, mask = tc.right_padded(seqs)
-    model.train()
-    try:
-        grads = []
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            lp = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
-            (-lp.sum()).backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        for n in grads[0]:
-            assert_bitwise(grads[0][n], grads[1][n], f"grad {n} run-to-run")
-        assert grads[0]["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
+    grads = tc.grads_twice_bitwise(ha.token_logprobs, model, ids, mask, 0.7)
+    assert grads["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
 
 
 def test_padded_batch_keeps_the_attention_output_once(tmp_path):

@@ -117,25 +117,13 @@ def test_backward_deterministic(models, case):
     the router, the experts and (Qwen2-MoE) the shared expert and its gate."""
     model = models[case]
     ids, mask = tc.right_padded(SEQS)
-    model.train()
-    try:
-        grads = []
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            lp = ha.token_logprobs(model, ids, 0.7, attention_mask=mask)
-            (-lp.sum()).backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.eval()
-    for n in grads[0]:
-        assert_bitwise(grads[0][n], grads[1][n], f"grad {n} run-to-run")
+    grads = tc.grads_twice_bitwise(ha.token_logprobs, model, ids, mask, 0.7)
     must = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     if case[0] == "qwen2_moe":
         must += ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert_gate.weight"]
     for layer in range(model.config.num_hidden_layers):
         for n in must:
-            g = grads[0][f"model.layers.{layer}.{n}"]
+            g = grads[f"model.layers.{layer}.{n}"]
             assert g.float().abs().sum() > 0, f"no gradient reaches layer {layer} {n}"
 
 
@@ -175,12 +163,7 @@ def test_close_to_stock_transformers(models, ckpts, case):
     # control (stock is cheap: all five sequences): stock transformers is not batch invariant
     # here, or at least not bitwise the patched model, so the bitwise checks above can fail
     differs = int((l_ours != l_stock)[mask.bool()].sum())
-    seqs = tc.sequences()
-    ids5, mask5 = tc.right_padded(seqs)
-    with torch.no_grad():
-        full = stock(ids5, attention_mask=mask5).logits
-        alone = [stock(s[None]).logits[0] for s in seqs]
-    mism = tc.count_mismatches(alone, [full[i, : s.numel()] for i, s in enumerate(seqs)])
+    mism = tc.alone_vs_batch_mismatches(stock, tc.sequences())
     assert mism > 0 or differs > 0, "stock transformers is batch invariant and equals rl_engine"
 
 

@@ -32,11 +32,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shim():
-    megatron_shim.install()
-    yield
-    megatron_shim.uninstall()
+_shim = megatron_shim.module_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -41,11 +41,7 @@ IDS = [c[0] for c in CASES]
 TEMP = 0.7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shim():
-    megatron_shim.install()
-    yield
-    megatron_shim.uninstall()
+_shim = megatron_shim.module_fixture()
 
 
 @pytest.fixture(scope="module")

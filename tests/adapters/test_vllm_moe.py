@@ -48,19 +48,7 @@ env = vllm_env_fixture(vp._ENV)
 def _workload():
     """16 prompts of 3..36 tokens, 4 of them sharing a 20-token prefix (one cached 16-token
     block); greedy and sampled rows; 2..4 new tokens each."""
-    import random
-
-    rng = random.Random(11)
-    prefix = [rng.randrange(3, 512) for _ in range(20)]
-    prompts = []
-    for i in range(N):
-        if i % 4 == 1:
-            prompts.append(prefix + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 12))])
-        else:
-            prompts.append([rng.randrange(3, 512) for _ in range(rng.randrange(3, 37))])
-    temps = [_TEMPS[i % len(_TEMPS)] for i in range(N)]
-    max_tokens = [2 + (i % 3) for i in range(N)]
-    return prompts, temps, max_tokens
+    return vp._workload(N, 11, prefix=20, tail=12, length=37, new=(2, 3), temps=_TEMPS)
 
 
 _MODELS: dict[str, str] = {}

@@ -30,6 +30,7 @@ vllm = pytest.importorskip("vllm")
 
 from rl_engine import KernelRegistry, config  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+from tests.conftest import vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -38,13 +39,7 @@ _TEMPS = (0.0, 0.7, 1.0, 1.3)  # 0.0 = greedy
 
 
 # ------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="module")
-def env():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in _ENV.items():
-            mp.setenv(k, v)
-        mp.delenv("RL_ENGINE_VLLM", raising=False)
-        yield mp
+env = vllm_env_fixture(_ENV)
 
 
 def _model(tmp_path_factory, arch: str, dtype: str, tied: bool) -> str:
@@ -99,19 +94,33 @@ def _close(llm) -> None:
     gc.collect()
 
 
-def _workload(n: int = 32, seed: int = 0):
-    """Prompts of mixed lengths (3..59), 8 of them sharing a 40-token prefix; mixed temperatures."""
+def _workload(
+    n: int = 32,
+    seed: int = 0,
+    *,
+    prefix: int = 40,
+    tail: int = 20,
+    length: int = 60,
+    new: tuple[int, int] = (4, 4),
+    temps: tuple[float, ...] = _TEMPS,
+):
+    """``(prompts, temperatures, max_tokens)`` of ``n`` sequences: prompts of mixed lengths
+    (3..``length - 1``), every fourth (from 1) a shared ``prefix``-token prefix plus
+    1..``tail - 1`` tokens; temperatures cycling through ``temps``; ``new[0] + i % new[1]`` new
+    tokens. The defaults: 3..59 tokens, 8 of 32 sharing a 40-token prefix, 4..7 new tokens."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, 512) for _ in range(40)]
+    shared = [rng.randrange(3, 512) for _ in range(prefix)]
     prompts = []
     for i in range(n):
         if i % 4 == 1:
-            prompts.append(prefix + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))])
+            prompts.append(shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, tail))])
         else:
-            prompts.append([rng.randrange(3, 512) for _ in range(rng.randrange(3, 60))])
-    temps = [_TEMPS[i % len(_TEMPS)] for i in range(n)]
-    max_tokens = [4 + (i % 4) for i in range(n)]
-    return prompts, temps, max_tokens
+            prompts.append([rng.randrange(3, 512) for _ in range(rng.randrange(3, length))])
+    return (
+        prompts,
+        [temps[i % len(temps)] for i in range(n)],
+        [new[0] + i % new[1] for i in range(n)],
+    )
 
 
 def _generate(llm, idx, workload, *, seeded: bool):

@@ -80,6 +80,17 @@ def count_mismatches(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(int((x != y).sum()) for x, y in zip(a, b))
 
 
+def alone_vs_batch_mismatches(model, seqs: list[torch.Tensor]) -> int:
+    """How many logits of ``seqs`` differ (not bitwise) between ``model`` run on each sequence
+    alone and inside a right-padded batch of them all (a plain transformers forward: the stock
+    "before")."""
+    ids, mask = right_padded(seqs)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        alone = [model(s[None]).logits[0] for s in seqs]
+    return count_mismatches(alone, [full[i, : s.numel()] for i, s in enumerate(seqs)])
+
+
 def check_layouts(
     token_logprobs, model, temperature: float, *, device: str = "cpu", packed_row: bool = False
 ):
@@ -150,6 +161,28 @@ def greedy_rollout(model, prompts, mask, new: int, temperature: float = 1.0):
         [ops.logp(step, seq[:, start + i], temperature) for i, step in enumerate(out.logits)], 1
     )
     return seq, lp
+
+
+def grads_twice_bitwise(token_logprobs, model, ids, mask, temperature: float) -> dict:
+    """``{name: grad}`` of ``-token_logprobs(model, ids, temperature, attention_mask=mask).sum()``
+    in train mode, after asserting that a second backward pass gives every parameter the same
+    gradient bitwise; the model is left in eval mode with no gradients."""
+    from rl_engine.testing.invariance import assert_bitwise
+
+    model.train()
+    try:
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            lp = token_logprobs(model, ids, temperature, attention_mask=mask)
+            (-lp.sum()).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    for n in grads[0]:
+        assert_bitwise(grads[0][n], grads[1][n], f"grad {n} run-to-run")
+    return grads[0]
 
 
 def tiny_shape(hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int = 256) -> dict:
