@@ -20,10 +20,14 @@ class RankTimer:
     calls after 3 warm-up calls and a barrier (CUDA events on GPUs, ``perf_counter`` on the
     CPU), the slowest rank's. ``graph(fn)``: the same ``iters`` calls captured in one CUDA graph
     and replayed (GPU time only, as vLLM's CUDA graphs run them: no host launch cost); ``None``
-    without CUDA or when the capture fails on any rank (the reason printed)."""
+    without CUDA or when the capture fails on any rank (the reason printed; with
+    ``require_graph`` a failure raises on every rank instead)."""
 
-    def __init__(self, dist: Any, group: Any, iters: int, *, cuda: bool = True) -> None:
+    def __init__(self, dist: Any, group: Any, iters: int, *, cuda: bool = True,
+                 require_graph: bool = False) -> None:  # fmt: skip
         self.dist, self.group, self.iters, self.cuda = dist, group, iters, cuda
+        # a check (not a benchmark table): a failed capture raises on every rank
+        self.require_graph = require_graph
 
     def _slowest(self, us: float) -> float:
         t = torch.tensor([us], dtype=torch.float64)
@@ -80,6 +84,8 @@ class RankTimer:
             ok.zero_()
         self.dist.all_reduce(ok, op=self.dist.ReduceOp.MIN, group=self.group)
         if not bool(ok.item()):
+            if self.require_graph:
+                raise RuntimeError("CUDA graph capture failed on some rank (its reason above)")
             return None
         us = statistics.median(self._run(graph.replay) for _ in range(5))
         del graph

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     t, rank = dist.get_world_size(), dist.get_rank()
     skip = set(filter(None, args.skip.split(",")))
     tokens = (1, 16, 64, 256) if args.quick else DECODE_TOKENS
-    timer = RankTimer(dist, group, 10 if args.quick else 50)
+    timer = RankTimer(dist, group, 10 if args.quick else 50, require_graph=True)
     # one-shot for every size measured here (1 - 256 tokens x 4096: up to 4 MiB of fp32)
     one = tpm.Exchange.over(group, one_shot=False)
     one.one_shot = oneshot.OneShot.over(group, max_bytes=4 * max(tokens) * HIDDEN)
