@@ -33,7 +33,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 topk_backend = backend_fixture("moe_router", device="cpu")
 experts_backend = backend_fixture("moe_experts", device="cpu")
 combine_backend = backend_fixture("moe_combine", device="cpu")
-gpn_backend = backend_fixture("grouped_poly_norm")
+gpn_backend = backend_fixture("grouped_poly_norm", device="cpu")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
