@@ -33,7 +33,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 topk_backend = backend_fixture("moe_router", device="cpu")
 experts_backend = backend_fixture("moe_experts", device="cpu")
 combine_backend = backend_fixture("moe_combine", device="cpu")
-gpn_backend = backend_fixture("grouped_poly_norm")
+gpn_backend = backend_fixture("grouped_poly_norm", device="cpu")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -416,6 +416,9 @@ def test_grouped_poly_norm_bad_input():
         grouped_poly_norm(gate, gate, torch.rand(2, 3), torch.rand(2, 1), torch.full((4,), 2))
     with pytest.raises(ValueError, match="rows"):
         grouped_poly_norm(gate, gate, torch.rand(2, 3), torch.rand(2, 1), torch.zeros(3).long())
+    with pytest.raises(ValueError, match="hidden size"):  # at the entry, with or without rows
+        grouped_poly_norm(gate[:0, :0], gate[:0, :0], torch.rand(2, 3), torch.rand(2, 1),
+                          torch.zeros(0).long())  # fmt: skip
 
 
 def test_registry_lists_the_moe_ops():

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, provider_op, register_op, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.grouped_poly_norm import reference
 from rl_engine.registry import resolve_provider
 
@@ -101,3 +107,6 @@ register_op(
         {"backward": reference.grouped_poly_norm_backward},
     ),
 )
+
+# The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
+register_triton(__name__)

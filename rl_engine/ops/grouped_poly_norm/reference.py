@@ -42,6 +42,8 @@ def _check(
             f"grouped_poly_norm: up {tuple(up.shape)} {up.dtype} must match gate "
             f"{tuple(gate.shape)} {gate.dtype}"
         )
+    if gate.shape[1] == 0:
+        raise ValueError("grouped_poly_norm: the hidden size (last dim of gate) must be > 0")
     n_experts = weight.shape[0]
     if weight.shape[1] != 3 or tuple(bias.shape) != (n_experts, 1):
         raise ValueError(

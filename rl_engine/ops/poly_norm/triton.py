@@ -29,7 +29,12 @@ Structure (version 3): the whole blocks run without masks, ``unroll`` of them pe
 first (no store in that loop), then the adds in column order. The elementwise pass reads the
 step's blocks as one ``[unroll, BLOCK]`` tile, so their loads go out together: a store between
 two loads keeps them in order (the pointers may alias). The backward reads x and grad twice
-(version 2: x three times, its first pass only for the mean squares).
+(version 2: x three times, its first pass only for the mean squares). A row's work is the
+``@triton.jit`` helpers ``_fwd_row`` / ``_bwd_row`` (parameters as fp32 values, partials at a
+given address) and the row sum ``_sum_rows``; the kernels only place them (``grouped_poly_norm``'s
+Triton provider calls the same helpers with each row's expert). Factoring them out left the
+compiled kernels as they were: sm_90 TTGIR, LLVM IR and PTX identical without debug lines,
+Triton 3.9 on the CPU (2026-11-28).
 
 Why 256 lanes, one warp: the sums' registers are lanes x sums / threads. Version 2 kept 1024
 lanes: its backward (seven sums) needed 167 registers a thread at two warps, six programs an
@@ -206,6 +211,30 @@ if triton is not None:
             tl.store(y_row + c, y)
 
     @triton.jit
+    def _fwd_row(x_row, m_row, y_row, w0, w1, w2, b, H, h_f, eps, HAS_MUL: tl.constexpr,
+                 BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+        # one row's forward (the module docstring), its parameters given as fp32 values: the
+        # body of _poly_fwd_kernel, shared with grouped_poly_norm's (its expert's parameters)
+        r1, r2, r3 = _row_rstd(x_row, H, h_f, eps, BLOCK, LOG_BLOCK, UNROLL)
+        cols = tl.arange(0, BLOCK)[None, :]
+        # elementwise, so any block order: the last (masked) block first, then the whole ones
+        # from last to first (the blocks the sums read last are the ones still cached), UNROLL
+        # blocks as one [UNROLL, BLOCK] tile: their loads go out together (a store between
+        # loads would order them)
+        n_full = H // BLOCK
+        for t in range(n_full, tl.cdiv(H, BLOCK)):
+            _fwd_block(x_row, m_row, y_row, t * BLOCK + cols, H, r1, r2, r3, w0, w1, w2, b,
+                       HAS_MUL, True)  # fmt: skip
+        n_main = n_full - n_full % UNROLL
+        steps = tl.arange(0, UNROLL)[:, None]
+        for i0 in range(0, n_main, UNROLL):
+            c = (n_full - UNROLL - i0 + steps) * BLOCK + cols
+            _fwd_block(x_row, m_row, y_row, c, H, r1, r2, r3, w0, w1, w2, b, HAS_MUL, False)
+        for i in range(n_main, n_full):
+            c = (n_full - 1 - i) * BLOCK + cols
+            _fwd_block(x_row, m_row, y_row, c, H, r1, r2, r3, w0, w1, w2, b, HAS_MUL, False)
+
+    @triton.jit
     def _poly_fwd_kernel(
         X,
         MUL,
@@ -224,28 +253,9 @@ if triton is not None:
         UNROLL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        x_row = X + row * stride_x
-        m_row = MUL + row * stride_m
-        y_row = Y + row * stride_y
-        r1, r2, r3 = _row_rstd(x_row, H, h_f, eps, BLOCK, LOG_BLOCK, UNROLL)
         w0, w1, w2, b = _params(W, B)
-        cols = tl.arange(0, BLOCK)[None, :]
-        # elementwise, so any block order: the last (masked) block first, then the whole ones
-        # from last to first (the blocks the sums read last are the ones still cached), UNROLL
-        # blocks as one [UNROLL, BLOCK] tile: their loads go out together (a store between
-        # loads would order them)
-        n_full = H // BLOCK
-        for t in range(n_full, tl.cdiv(H, BLOCK)):
-            _fwd_block(x_row, m_row, y_row, t * BLOCK + cols, H, r1, r2, r3, w0, w1, w2, b,
-                       HAS_MUL, True)  # fmt: skip
-        n_main = n_full - n_full % UNROLL
-        steps = tl.arange(0, UNROLL)[:, None]
-        for i0 in range(0, n_main, UNROLL):
-            c = (n_full - UNROLL - i0 + steps) * BLOCK + cols
-            _fwd_block(x_row, m_row, y_row, c, H, r1, r2, r3, w0, w1, w2, b, HAS_MUL, False)
-        for i in range(n_main, n_full):
-            c = (n_full - 1 - i) * BLOCK + cols
-            _fwd_block(x_row, m_row, y_row, c, H, r1, r2, r3, w0, w1, w2, b, HAS_MUL, False)
+        _fwd_row(X + row * stride_x, MUL + row * stride_m, Y + row * stride_y, w0, w1, w2, b,
+                 H, h_f, eps, HAS_MUL, BLOCK, LOG_BLOCK, UNROLL)  # fmt: skip
 
     @triton.jit
     def _bwd_sums(a1, g, s1, s2, s3, u1, u2, u3, ub):
@@ -281,6 +291,64 @@ if triton is not None:
                 tl.store(dm_row + c, dm)
 
     @triton.jit
+    def _bwd_row(g_row, x_row, m_row, dx_row, dm_row, part, w0, w1, w2, b, H, h_f, eps,
+                 HAS_MUL: tl.constexpr, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr,
+                 UNROLL: tl.constexpr):  # fmt: skip
+        # one row's backward: dx (dmul) and the row's four partials [p3, p2, p1, t_b] at
+        # ``part``; the body of _poly_bwd_kernel, shared with grouped_poly_norm's
+        cols = tl.arange(0, BLOCK)[None, :]
+        # one pass: the mean squares and sum(g * a_k), sum(g), as lane sums in column order
+        s1 = tl.zeros((1, BLOCK), tl.float32)
+        s2 = tl.zeros((1, BLOCK), tl.float32)
+        s3 = tl.zeros((1, BLOCK), tl.float32)
+        u1 = tl.zeros((1, BLOCK), tl.float32)
+        u2 = tl.zeros((1, BLOCK), tl.float32)
+        u3 = tl.zeros((1, BLOCK), tl.float32)
+        ub = tl.zeros((1, BLOCK), tl.float32)
+        n_full = H // BLOCK
+        n_main = n_full - n_full % UNROLL
+        ty = x_row.dtype.element_ty
+        for b0 in range(0, n_main, UNROLL):
+            for u in tl.static_range(UNROLL):
+                c = (b0 + u) * BLOCK + cols
+                a1 = _load_f32(x_row, c, H, False, "evict_last")
+                g = _grad_f32(g_row, m_row, c, H, HAS_MUL, False, "evict_last", ty)
+                s1, s2, s3, u1, u2, u3, ub = _bwd_sums(a1, g, s1, s2, s3, u1, u2, u3, ub)
+        for t in range(n_main, tl.cdiv(H, BLOCK)):
+            c = t * BLOCK + cols
+            a1 = _load_f32(x_row, c, H, True, "evict_last")
+            g = _grad_f32(g_row, m_row, c, H, HAS_MUL, True, "evict_last", ty)
+            s1, s2, s3, u1, u2, u3, ub = _bwd_sums(a1, g, s1, s2, s3, u1, u2, u3, ub)
+        r1 = _rstd(s1, h_f, eps, BLOCK, LOG_BLOCK)
+        r2 = _rstd(s2, h_f, eps, BLOCK, LOG_BLOCK)
+        r3 = _rstd(s3, h_f, eps, BLOCK, LOG_BLOCK)
+        # sum(g * n_k) = r_k * sum(g * a_k): the weights' partials and, times w_k / H, c_k
+        p1 = r1 * _tree_sum_rows(u1, 1, BLOCK, LOG_BLOCK)
+        p2 = r2 * _tree_sum_rows(u2, 1, BLOCK, LOG_BLOCK)
+        p3 = r3 * _tree_sum_rows(u3, 1, BLOCK, LOG_BLOCK)
+        c1 = tl.div_rn(w2 * p1, h_f)
+        c2 = tl.div_rn(w1 * p2, h_f)
+        c3 = tl.div_rn(w0 * p3, h_f)
+        tl.store(part + tl.arange(0, 1), p3)
+        tl.store(part + 1 + tl.arange(0, 1), p2)
+        tl.store(part + 2 + tl.arange(0, 1), p1)
+        tl.store(part + 3 + tl.arange(0, 1), _tree_sum_rows(ub, 1, BLOCK, LOG_BLOCK))
+        # dx (and dmul), elementwise: the masked block first, then the whole ones last to first
+        # in [UNROLL, BLOCK] tiles, as in the forward
+        for t in range(n_full, tl.cdiv(H, BLOCK)):
+            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, t * BLOCK + cols, H, r1, r2, r3,
+                       c1, c2, c3, w0, w1, w2, b, HAS_MUL, True)  # fmt: skip
+        steps = tl.arange(0, UNROLL)[:, None]
+        for i0 in range(0, n_main, UNROLL):
+            c = (n_full - UNROLL - i0 + steps) * BLOCK + cols
+            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, c, H, r1, r2, r3, c1, c2, c3,
+                       w0, w1, w2, b, HAS_MUL, False)  # fmt: skip
+        for i in range(n_main, n_full):
+            c = (n_full - 1 - i) * BLOCK + cols
+            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, c, H, r1, r2, r3, c1, c2, c3,
+                       w0, w1, w2, b, HAS_MUL, False)  # fmt: skip
+
+    @triton.jit
     def _poly_bwd_kernel(
         G,
         X,
@@ -304,69 +372,15 @@ if triton is not None:
         UNROLL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        x_row = X + row * stride_x
-        g_row = G + row * stride_g
-        m_row = MUL + row * stride_m
-        dx_row = DX + row * stride_dx
-        dm_row = DMUL + row * stride_dm
         w0, w1, w2, b = _params(W, B)
-        cols = tl.arange(0, BLOCK)[None, :]
-        # one pass: the mean squares and sum(g * a_k), sum(g), as lane sums in column order
-        s1 = tl.zeros((1, BLOCK), tl.float32)
-        s2 = tl.zeros((1, BLOCK), tl.float32)
-        s3 = tl.zeros((1, BLOCK), tl.float32)
-        u1 = tl.zeros((1, BLOCK), tl.float32)
-        u2 = tl.zeros((1, BLOCK), tl.float32)
-        u3 = tl.zeros((1, BLOCK), tl.float32)
-        ub = tl.zeros((1, BLOCK), tl.float32)
-        n_full = H // BLOCK
-        n_main = n_full - n_full % UNROLL
-        ty = X.dtype.element_ty
-        for b0 in range(0, n_main, UNROLL):
-            for u in tl.static_range(UNROLL):
-                c = (b0 + u) * BLOCK + cols
-                a1 = _load_f32(x_row, c, H, False, "evict_last")
-                g = _grad_f32(g_row, m_row, c, H, HAS_MUL, False, "evict_last", ty)
-                s1, s2, s3, u1, u2, u3, ub = _bwd_sums(a1, g, s1, s2, s3, u1, u2, u3, ub)
-        for t in range(n_main, tl.cdiv(H, BLOCK)):
-            c = t * BLOCK + cols
-            a1 = _load_f32(x_row, c, H, True, "evict_last")
-            g = _grad_f32(g_row, m_row, c, H, HAS_MUL, True, "evict_last", ty)
-            s1, s2, s3, u1, u2, u3, ub = _bwd_sums(a1, g, s1, s2, s3, u1, u2, u3, ub)
-        r1 = _rstd(s1, h_f, eps, BLOCK, LOG_BLOCK)
-        r2 = _rstd(s2, h_f, eps, BLOCK, LOG_BLOCK)
-        r3 = _rstd(s3, h_f, eps, BLOCK, LOG_BLOCK)
-        # sum(g * n_k) = r_k * sum(g * a_k): the weights' partials and, times w_k / H, c_k
-        p1 = r1 * _tree_sum_rows(u1, 1, BLOCK, LOG_BLOCK)
-        p2 = r2 * _tree_sum_rows(u2, 1, BLOCK, LOG_BLOCK)
-        p3 = r3 * _tree_sum_rows(u3, 1, BLOCK, LOG_BLOCK)
-        c1 = tl.div_rn(w2 * p1, h_f)
-        c2 = tl.div_rn(w1 * p2, h_f)
-        c3 = tl.div_rn(w0 * p3, h_f)
-        part = PART + row * 4
-        tl.store(part + tl.arange(0, 1), p3)
-        tl.store(part + 1 + tl.arange(0, 1), p2)
-        tl.store(part + 2 + tl.arange(0, 1), p1)
-        tl.store(part + 3 + tl.arange(0, 1), _tree_sum_rows(ub, 1, BLOCK, LOG_BLOCK))
-        # dx (and dmul), elementwise: the masked block first, then the whole ones last to first
-        # in [UNROLL, BLOCK] tiles, as in the forward
-        for t in range(n_full, tl.cdiv(H, BLOCK)):
-            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, t * BLOCK + cols, H, r1, r2, r3,
-                       c1, c2, c3, w0, w1, w2, b, HAS_MUL, True)  # fmt: skip
-        steps = tl.arange(0, UNROLL)[:, None]
-        for i0 in range(0, n_main, UNROLL):
-            c = (n_full - UNROLL - i0 + steps) * BLOCK + cols
-            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, c, H, r1, r2, r3, c1, c2, c3,
-                       w0, w1, w2, b, HAS_MUL, False)  # fmt: skip
-        for i in range(n_main, n_full):
-            c = (n_full - 1 - i) * BLOCK + cols
-            _bwd_block(x_row, g_row, m_row, dx_row, dm_row, c, H, r1, r2, r3, c1, c2, c3,
-                       w0, w1, w2, b, HAS_MUL, False)  # fmt: skip
+        _bwd_row(G + row * stride_g, X + row * stride_x, MUL + row * stride_m,
+                 DX + row * stride_dx, DMUL + row * stride_dm, PART + row * 4, w0, w1, w2, b,
+                 H, h_f, eps, HAS_MUL, BLOCK, LOG_BLOCK, UNROLL)  # fmt: skip
 
     @triton.jit
-    def _sum_rows_kernel(PART, TMP, OUT, M, HALF, K: tl.constexpr, BLOCK: tl.constexpr,
-                         LOG_BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
-                         LOG_RBLOCK: tl.constexpr):  # fmt: skip
+    def _sum_rows(PART, TMP, OUT, M, HALF, K: tl.constexpr, BLOCK: tl.constexpr,
+                  LOG_BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                  LOG_RBLOCK: tl.constexpr):  # fmt: skip
         # OUT[j] = reference.sum_rows(PART)[j] for the K columns of PART [M, K] (fp32): the rows
         # zero-padded to 2 * HALF (a power of two), then element i of the first half + element
         # i of the second half, repeated. One program: while more than RBLOCK elements are
@@ -395,6 +409,12 @@ if triton is not None:
             i = tl.arange(0, RBLOCK)[None, :]
             v = tl.load(TMP + j * HALF + i, mask=i < n, other=0.0)
         tl.store(OUT + tl.arange(0, K), _tree_sum_rows(v, K, RBLOCK, LOG_RBLOCK))
+
+    @triton.jit
+    def _sum_rows_kernel(PART, TMP, OUT, M, HALF, K: tl.constexpr, BLOCK: tl.constexpr,
+                         LOG_BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                         LOG_RBLOCK: tl.constexpr):  # fmt: skip
+        _sum_rows(PART, TMP, OUT, M, HALF, K, BLOCK, LOG_BLOCK, RBLOCK, LOG_RBLOCK)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
