@@ -84,6 +84,22 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
     raise RuntimeError(f"{op}[triton]: tensors on {dev} are not supported (cuda or cpu)")
 
 
+INT32_MAX = 2**31 - 1
+
+
+def rows(t: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """``t`` as [M, n] rows (``n``: its last dim unless given) with a unit column stride: a view
+    when possible, else a copy. A layout choice only: the row kernels' bits never depend on it."""
+    t2 = t.reshape(-1, t.shape[-1] if n is None else n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def int64_offsets(m: int, *strides: int) -> bool:
+    """Whether the offsets ``row * stride`` of ``m`` rows can reach ``2**31`` for one of
+    ``strides`` (the kernel's ``INT64`` constexpr: its offset arithmetic in int64)."""
+    return any(m * max(s, 1) >= INT32_MAX for s in strides)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division on the host (``triton.cdiv`` is a constexpr function: slower to call)."""
     return -(-a // b)

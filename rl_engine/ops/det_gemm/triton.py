@@ -66,7 +66,6 @@ from rl_engine.ops.det_gemm.reference import _check, check_wgrad
 
 __all__ = ["PROVIDER", "det_gemm", "det_gemm_tp_subtree", "det_gemm_wgrad"]
 
-_INT32_MAX = 2**31 - 1
 # Split the weight gradient over token chunks only while the partials stay this small.
 _WGRAD_WORKSPACE_BYTES = 64 << 20
 # ...and only when there are fewer output tiles than this (a launch-shape heuristic: both plans
@@ -620,10 +619,10 @@ def _check_device(*tensors: torch.Tensor) -> None:
 def _needs_int64(*tensors: torch.Tensor) -> bool:
     """Whether some element offset (span of a tensor in memory) can exceed int32."""
     for t in tensors:
-        if t.numel() < _INT32_MAX and t.is_contiguous():
+        if t.numel() < _tr.INT32_MAX and t.is_contiguous():
             continue  # the common case, without the per-dim sum
         span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
-        if span >= _INT32_MAX:
+        if span >= _tr.INT32_MAX:
             return True
     return False
 
@@ -832,7 +831,7 @@ def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
             UPCAST=on_cpu and a.dtype != torch.float32,
             IEEE=a.dtype == torch.float32 or on_cpu,
             # the workspace spans no more than out does per chunk; out's span is in the list
-            INT64=_needs_int64(a, b, out) or (split and n_chunks * m * n >= _INT32_MAX),
+            INT64=_needs_int64(a, b, out) or (split and n_chunks * m * n >= _tr.INT32_MAX),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),

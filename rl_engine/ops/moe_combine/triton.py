@@ -16,9 +16,12 @@ Each output element depends on its token's row alone; the tiles depend on ``H`` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.moe_combine import reference
 from rl_engine.ops.moe_combine.reference import _check
@@ -68,15 +71,13 @@ if triton is not None:
         )
 
 
-def moe_combine(
-    y: torch.Tensor,
-    weights: torch.Tensor,
-    shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Same contract and bits as :func:`rl_engine.ops.moe_combine.reference.moe_combine`."""
+@signature_of(reference.moe_combine)
+def moe_combine(*args: Any) -> torch.Tensor:
+    """Same contract and bits as :func:`rl_engine.ops.moe_combine.reference.moe_combine`
+    (its arguments ``(y, weights, shared=None, shared_gate=None)``)."""
     from rl_engine.ops.moe_router.triton import _N_COEF, exp64_consts
 
+    y, weights, shared, shared_gate = args
     _check(y, weights, shared, shared_gate)
     _tr.check_device("moe_combine", y)
     t, k, h = y.shape

@@ -51,8 +51,10 @@ from typing import Any
 import torch
 
 from rl_engine.ops import _triton as _tr
+from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.det_gemm.config import INTERPRETER_BLOCK_K, K_CHUNK, WGRAD_CHUNK
+from rl_engine.ops.moe_experts import reference
 from rl_engine.ops.moe_experts.reference import _check, sum_slots
 
 __all__ = [
@@ -593,16 +595,11 @@ def moe_experts_with_config(
     return _forward(x, ids, w13, w2, expert_map, cfg, keep=False)[0]
 
 
-def moe_experts(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
+@signature_of(reference.moe_experts)
+def moe_experts(*args: Any) -> torch.Tensor:
     """Routed experts, each slot's row bitwise ``det_gemm`` / ``silu_and_mul`` (Triton) alone.
 
-    Args:
+    Args (the reference's, ``(x, ids, w13, w2, expert_map=None)``):
         x: [T, H] float32 / bfloat16 / float16.
         ids: [T, k] global expert ids (int64).
         w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I]; same dtype as ``x``.
@@ -611,7 +608,7 @@ def moe_experts(
     Returns:
         y [T, k, H] in ``x.dtype`` (+0 rows for non-local experts).
     """
-    return moe_experts_with_config(x, ids, w13, w2, expert_map, None)
+    return moe_experts_with_config(*args, None)
 
 
 def _wgrad(a, g, out, slots, row_start, counts, *, ko, n, a_div, a_gather, out_strides):
@@ -633,18 +630,14 @@ def _wgrad(a, g, out, slots, row_start, counts, *, ko, n, a_div, a_gather, out_s
         )  # fmt: skip
 
 
-def moe_experts_backward(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_map: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dx, dw13, dw2)`` given ``grad`` [T, k, H] (see the module doc).
-    Recomputes the forward's gate / up and activation with kernel 1."""
+@signature_of(reference.moe_experts_backward)
+def moe_experts_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dw13, dw2)`` given ``grad`` [T, k, H] (see the module doc); the
+    reference's arguments ``(grad, x, ids, w13, w2, expert_map=None)``. Recomputes the forward's
+    gate / up and activation with kernel 1."""
     from rl_engine.ops.silu_and_mul.triton import silu_and_mul_backward
 
+    grad, x, ids, w13, w2, expert_map = args
     _check(x, ids, w13, w2, expert_map, values=False)
     _check_device(x)
     t, hdim = x.shape

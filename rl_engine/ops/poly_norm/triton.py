@@ -417,18 +417,12 @@ if triton is not None:
         _sum_rows(PART, TMP, OUT, M, HALF, K, BLOCK, LOG_BLOCK, RBLOCK, LOG_RBLOCK)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., H] -> [M, H] with a unit column stride (a view when possible)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _launch_fwd(x, weight, bias, eps, mul, cfg: Config | None = None):
     _tr.check_device("poly_norm", x)
     h = x.shape[-1]
     cfg = launch_config(h) if cfg is None else _checked(cfg)
-    x2 = _rows(x)
-    m2 = _rows(mul) if mul is not None else x2
+    x2 = _tr.rows(x)
+    m2 = _tr.rows(mul) if mul is not None else x2
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     blk = block_for(h, cfg.lanes)
     if x2.shape[0]:
@@ -480,8 +474,8 @@ def _launch_bwd(grad, x, weight, bias, eps, mul, cfg: Config | None = None):
     _tr.check_device("poly_norm", x)
     h = x.shape[-1]
     cfg = launch_config(h) if cfg is None else _checked(cfg)
-    x2, g2 = _rows(x), _rows(grad.to(x.dtype))
-    m2 = _rows(mul) if mul is not None else x2
+    x2, g2 = _tr.rows(x), _tr.rows(grad.to(x.dtype))
+    m2 = _tr.rows(mul) if mul is not None else x2
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     dmul = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if mul is not None else None
     part = torch.empty((x2.shape[0], 4), dtype=torch.float32, device=x.device)

@@ -84,7 +84,6 @@ __all__ = [
     "rms_norm_wgrad",
 ]
 
-_INT32_MAX = 2**31 - 1
 MAX_HIDDEN = 65536  # one row lives in registers; larger rows raise (no silent fallback)
 
 
@@ -488,21 +487,7 @@ def _kernel(name: str, device: torch.device) -> Any:
     return _tr.launcher(globals()[name], device)
 
 
-def _check_device(t: torch.Tensor) -> None:
-    _tr.check_device("rms_norm", t)
-
-
 _guard = _tr.device_guard
-
-
-def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
-    """[M, H] view (or copy) with a unit column stride; the bits never depend on the layout."""
-    t2 = t.reshape(-1, h)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _int64(m: int, *strides: int) -> bool:
-    return any(m * max(s, 1) >= _INT32_MAX for s in strides)
 
 
 @signature_of(reference.rms_norm)
@@ -518,13 +503,13 @@ def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """
     x, weight, eps, residual = args
     _check(x, weight, eps, residual)
-    _check_device(x)
+    _tr.check_device("rms_norm", x)
     h = x.shape[-1]
     cfg = get_config(h)
-    x2 = _rows(x, h)
+    x2 = _tr.rows(x, h)
     m = x2.shape[0]
     y = torch.empty((m, h), dtype=x.dtype, device=x.device)
-    res2 = _rows(residual, h) if residual is not None else x2
+    res2 = _tr.rows(residual, h) if residual is not None else x2
     s = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else y
     if m > 0:
         w = weight.contiguous()
@@ -554,7 +539,7 @@ def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
                     BLOCK_H=cfg.block_h,
                     ROWS=cfg.rows,
                     HAS_RESIDUAL=residual is not None,
-                    INT64=_int64(m + cfg.rows, x2.stride(0), res2.stride(0), h),
+                    INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0), res2.stride(0), h),
                     num_warps=cfg.num_warps,
                 ),
             ),
@@ -584,11 +569,11 @@ def _dx(
     cfg: RmsNormBwdConfig | None = None,
 ) -> torch.Tensor:
     """:func:`rms_norm_dx` with an optional backward configuration (benchmarks and tests)."""
-    _check_device(r)
+    _tr.check_device("rms_norm", r)
     h = r.shape[-1]
     cfg = cfg if cfg is not None else get_bwd_config(h)
-    r2 = _rows(r, h)
-    g2 = _rows(grad.to(r.dtype), h)
+    r2 = _tr.rows(r, h)
+    g2 = _tr.rows(grad.to(r.dtype), h)
     m = r2.shape[0]
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device)
     if m > 0:
@@ -606,7 +591,7 @@ def _dx(
                 H=h,
                 BLOCK_H=cfg.block_h,
                 ROWS=cfg.rows,
-                INT64=_int64(m + cfg.rows, g2.stride(0), r2.stride(0), h),
+                INT64=_tr.int64_offsets(m + cfg.rows, g2.stride(0), r2.stride(0), h),
                 num_warps=cfg.num_warps,
             )
     return dx.reshape(r.shape)
@@ -625,7 +610,7 @@ def _backward(
 
     ``cfg`` (default :func:`get_bwd_config`) lets benchmarks and tests try other launches.
     """
-    _check_device(r)
+    _tr.check_device("rms_norm", r)
     h = r.shape[-1]
     for name, t in (("grad", grad), ("grad_sum", grad_sum)):
         if t is not None and t.shape != r.shape:
@@ -636,14 +621,14 @@ def _backward(
     if weight is not None and weight.shape != (h,):
         raise ValueError(f"rms_norm[triton] backward: weight shape {tuple(weight.shape)} != ({h},)")
     cfg = cfg if cfg is not None else get_bwd_config(h)
-    r2 = _rows(r, h)
-    g2 = _rows(grad if grad.dtype == r.dtype else grad.to(r.dtype), h)
+    r2 = _tr.rows(r, h)
+    g2 = _tr.rows(grad if grad.dtype == r.dtype else grad.to(r.dtype), h)
     m = r2.shape[0]
     store_dx = weight is not None
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device) if store_dx else None
     # the add of grad_sum is fused for 16-bit dtypes only (see the kernel); fp32 adds in torch
     fuse_gs = grad_sum is not None and r.dtype != torch.float32
-    gs2 = _rows(grad_sum.to(r.dtype), h) if fuse_gs else g2
+    gs2 = _tr.rows(grad_sum.to(r.dtype), h) if fuse_gs else g2
     # with rows, the combine kernel writes every column: no fill kernel (a launch less per call,
     # which measurably shortened the autograd backward's host time)
     alloc = torch.empty if m > 0 else torch.zeros
@@ -699,7 +684,7 @@ def _bwd_steps(r, m, h, g2, r2, gs2, store_dx, fuse_gs, eps, cfg, n_parts):
             PREFETCH=cfg.prefetch,
             STAGES=cfg.stages,
             RELOAD_W=cfg.reload_weight,
-            INT64=_int64(
+            INT64=_tr.int64_offsets(
                 m + cfg.wgrad_chunk + cfg.rows, g2.stride(0), r2.stride(0), gs2.stride(0), h
             ),
             num_warps=cfg.num_warps,

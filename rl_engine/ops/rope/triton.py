@@ -45,7 +45,6 @@ __all__ = [
     "rope_qk_backward",
 ]
 
-_INT32_MAX = 2**31 - 1
 
 # The constants of ``_math.cos_sin64``, as exact float64 values (loaded by the kernel, so no
 # compiler rounds them through fp32): [inv_pio2, pio2_1, pio2_2, pio2_3, 1/23!, 1/22!,
@@ -294,7 +293,7 @@ def _rope(
             BLOCK_H2=_pow2(nh2) if nh2 else 1,
             BLOCK_P=cfg.block_p,
             BLOCK_C=cfg.block_c,
-            INT64=max(spans) + max(reach) >= _INT32_MAX,
+            INT64=max(spans) + max(reach) >= _tr.INT32_MAX,
             num_warps=cfg.num_warps,
             enable_fp_fusion=False,
         )

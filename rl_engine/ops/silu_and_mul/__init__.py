@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
 from rl_engine.ops.silu_and_mul import reference, stock
 from rl_engine.registry import KernelRegistry, resolve_provider
 
@@ -54,7 +54,8 @@ def _backward(ctx, grad):
 _silu_and_mul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _entry(x: torch.Tensor, *, provider: str) -> torch.Tensor:
+def _run(x: torch.Tensor, provider: str) -> torch.Tensor:
+    """The op through ``provider`` on :func:`silu_and_mul`'s arguments (checked here, once)."""
     reference._check(x)
     return _silu_and_mul_op(x, provider)
 
@@ -69,14 +70,14 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     Returns:
         [..., D] in ``x.dtype``. See :func:`rl_engine.ops.silu_and_mul.reference.silu_and_mul`.
     """
-    check_tensor("x", x)  # the full check runs once, in _entry
+    check_tensor("x", x)  # the full check runs once, in _run
     provider = resolve_provider("silu_and_mul", x.device.type, backend)
-    return _entry(x, provider=provider)
+    return _run(x, provider)
 
 
 register_op(
     "silu_and_mul",
-    entry=_entry,
+    entry=registry_entry(silu_and_mul, _run),
     native=(
         "silu_and_mul/native-f64",
         reference.silu_and_mul,

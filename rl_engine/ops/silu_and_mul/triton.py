@@ -31,8 +31,6 @@ from rl_engine.ops.silu_and_mul.reference import _check
 
 __all__ = ["PROVIDER", "SiluAndMulConfig", "get_config", "silu_and_mul", "silu_and_mul_backward"]
 
-_INT32_MAX = 2**31 - 1
-
 
 @dataclass(frozen=True)
 class SiluAndMulConfig:
@@ -137,21 +135,7 @@ def _kernel(name: str, device: torch.device) -> Any:
     return _tr.launcher(globals()[name], device)
 
 
-def _check_device(t: torch.Tensor) -> None:
-    _tr.check_device("silu_and_mul", t)
-
-
 _guard = _tr.device_guard
-
-
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[M, n] view (or copy) with a unit column stride; the bits never depend on the layout."""
-    t2 = t.reshape(-1, n)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _int64(m: int, *strides: int) -> bool:
-    return any(m * max(s, 1) >= _INT32_MAX for s in strides)
 
 
 def _grid(m: int, d: int, cfg: SiluAndMulConfig) -> tuple[int, int]:
@@ -168,13 +152,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         [..., D] in ``x.dtype``.
     """
     _check(x)
-    _check_device(x)
+    _tr.check_device("silu_and_mul", x)
     d = x.shape[-1] // 2
     out_shape = (*x.shape[:-1], d)
     if d == 0 or x.numel() == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     cfg = get_config(d)
-    x2 = _rows(x, 2 * d)
+    x2 = _tr.rows(x, 2 * d)
     m = x2.shape[0]
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     with _guard(x):
@@ -187,7 +171,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             D=d,
             BLOCK_D=cfg.block_d,
             ROWS=cfg.rows,
-            INT64=_int64(m + cfg.rows, x2.stride(0)),
+            INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0)),
             num_warps=cfg.num_warps,
         )
     return y.reshape(out_shape)
@@ -195,14 +179,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Gradient w.r.t. ``x`` [..., 2D] given ``grad`` [..., D]; in ``x.dtype`` (row invariant)."""
-    _check_device(x)
+    _tr.check_device("silu_and_mul", x)
     d = x.shape[-1] // 2
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if d == 0 or x.numel() == 0:
         return dx
     cfg = get_config(d)
-    x2 = _rows(x, 2 * d)
-    g2 = _rows(grad.to(x.dtype), d)
+    x2 = _tr.rows(x, 2 * d)
+    g2 = _tr.rows(grad.to(x.dtype), d)
     m = x2.shape[0]
     dx2 = dx.view(m, 2 * d)
     with _guard(x):
@@ -217,7 +201,7 @@ def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             D=d,
             BLOCK_D=cfg.block_d,
             ROWS=cfg.rows,
-            INT64=_int64(m + cfg.rows, x2.stride(0), g2.stride(0)),
+            INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0), g2.stride(0)),
             num_warps=cfg.num_warps,
         )
     return dx
