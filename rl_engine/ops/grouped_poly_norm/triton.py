@@ -143,7 +143,7 @@ def _launch_fwd(gate, up, weight, bias, expert_ids, eps, cfg: pn.Config | None =
     _tr.check_device("grouped_poly_norm", gate)
     n, h = gate.shape
     cfg = pn.launch_config(h) if cfg is None else pn._checked(cfg)
-    x2, m2 = pn._rows(gate), pn._rows(up)
+    x2, m2 = _tr.rows(gate), _tr.rows(up)
     y = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     blk = pn.block_for(h, cfg.lanes)
     if n:
@@ -192,7 +192,7 @@ def _launch_bwd(grad, gate, up, weight, bias, expert_ids, eps, cfg: pn.Config | 
     n, h = gate.shape
     n_experts = weight.shape[0]
     cfg = pn.launch_config(h) if cfg is None else pn._checked(cfg)
-    x2, m2, g2 = pn._rows(gate), pn._rows(up), pn._rows(grad.to(gate.dtype))
+    x2, m2, g2 = _tr.rows(gate), _tr.rows(up), _tr.rows(grad.to(gate.dtype))
     dx = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     dm = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     pos, offs = expert_order(expert_ids, n_experts)
