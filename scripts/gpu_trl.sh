@@ -31,18 +31,9 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 
-if [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
-  INSTALL=""
-  for part in 3 2; do
-    [ -x .vllm_gpu/$part/install.sh ] && { INSTALL=.vllm_gpu/$part/install.sh; break; }
-  done
-  [ -n "$INSTALL" ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 or /3 carried"; exit 3; }
-  bash "$INSTALL" || exit 3
-  # the project's dist-info (its vllm.general_plugins entry point) next to vLLM
-  $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/vllm_site . \
-    || { echo "installing the project's entry point failed"; exit 3; }
-  touch /tmp/vllm_site/.rl_engine_ok
-fi
+# shellcheck source=scripts/_vllm_site.sh
+. scripts/_vllm_site.sh
+vllm_site_install || exit 3
 for dir in .whl_trl .whl_trl_pyarrow; do
   if ls $dir/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl_site $dir/*.whl \

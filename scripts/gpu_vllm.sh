@@ -35,20 +35,9 @@ PY=${PYTHON:-python3}
 
 NEEDS_VLLM=0
 for step in ${STEPS:-e2e}; do [ "$step" = tp ] || NEEDS_VLLM=1; done
-if [ "$NEEDS_VLLM" = 1 ] && [ ! -f /tmp/vllm_site/.rl_engine_ok ]; then
-  # the payload's last part holds install.sh: .vllm_gpu/2 (three parts) or, built with --moe
-  # (vLLM's MoE kernels kept, for stock MoE models), .vllm_gpu/3 (four parts)
-  INSTALL=""
-  for part in 3 2; do
-    [ -x .vllm_gpu/$part/install.sh ] && { INSTALL=.vllm_gpu/$part/install.sh; break; }
-  done
-  [ -n "$INSTALL" ] || { echo "no /tmp/vllm_site and no .vllm_gpu/2 or /3 carried"; exit 3; }
-  bash "$INSTALL" || exit 3
-  # the project's dist-info (its vllm.general_plugins entry point) next to vLLM
-  $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/vllm_site . \
-    || { echo "installing the project's entry point failed"; exit 3; }
-  touch /tmp/vllm_site/.rl_engine_ok
-fi
+# shellcheck source=scripts/_vllm_site.sh
+. scripts/_vllm_site.sh
+if [ "$NEEDS_VLLM" = 1 ]; then vllm_site_install || exit 3; fi
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.rl_engine_ok ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.rl_engine_ok
