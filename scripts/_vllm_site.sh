@@ -3,7 +3,20 @@
 # `vllm_site_install` installs the carried payload into /tmp/vllm_site once per warm lease, with
 # the project's dist-info (its vllm.general_plugins entry point) beside it. The payload's last
 # part holds install.sh: .vllm_gpu/2 (three parts) or, built with --moe (vLLM's MoE kernels kept,
-# for stock MoE models), .vllm_gpu/3 (four parts). Needs $PY. Returns 3 when it cannot.
+# for stock MoE models), .vllm_gpu/3 (four parts). Returns 3 when it cannot.
+# Sourced from the project root, it also sets what every such script starts with: ROOT, OUT
+# (created), PY, run_group (scripts/_run_group.sh) and the environment below.
+ROOT=$PWD
+# shellcheck source=scripts/_run_group.sh
+. scripts/_run_group.sh
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+# the trimmed vLLM payload has no FlashInfer; vLLM's V2 model runner (Llama on 0.24) would
+# import it for top-k/top-p sampling (the rollouts here use neither)
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
 vllm_site_install() {
   [ -f /tmp/vllm_site/.rl_engine_ok ] && return 0
   local install="" part

@@ -20,19 +20,9 @@
 # TRL_CHECK_ARGS (e.g. "--steps 3" or "--model /tmp/m") is passed on to the check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-# shellcheck source=scripts/_run_group.sh
-. scripts/_run_group.sh
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-# the trimmed vLLM payload has no FlashInfer (see scripts/gpu_vllm.sh)
-export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
-
 # shellcheck source=scripts/_vllm_site.sh
 . scripts/_vllm_site.sh
+
 vllm_site_install || exit 3
 for dir in .whl_trl .whl_trl_pyarrow; do
   if ls $dir/*.whl >/dev/null 2>&1; then

@@ -21,22 +21,11 @@
 # Writes under $OUT: <step>.log, the JSON each step writes, results.tgz and a short table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-# shellcheck source=scripts/_run_group.sh
-. scripts/_run_group.sh
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-# the trimmed vLLM payload has no FlashInfer; vLLM's V2 model runner (Llama on 0.24) would
-# import it for top-k/top-p sampling (the rollouts here use neither)
-export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
+# shellcheck source=scripts/_vllm_site.sh
+. scripts/_vllm_site.sh
 
 NEEDS_VLLM=0
 for step in ${STEPS:-e2e}; do [ "$step" = tp ] || NEEDS_VLLM=1; done
-# shellcheck source=scripts/_vllm_site.sh
-. scripts/_vllm_site.sh
 if [ "$NEEDS_VLLM" = 1 ]; then vllm_site_install || exit 3; fi
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.rl_engine_ok ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
