@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.config import settings
 from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = [
@@ -95,8 +96,6 @@ def groups_for(tp: int) -> int | None:
     """The group count the configuration asks for at TP degree ``tp`` (``None``: the plain
     det_gemm reduction). ``RL_ENGINE_TP_GROUPS``: unset = 8 groups at TP > 1, off at TP = 1;
     ``G`` = G groups at every degree; ``0`` = off (TP > 1 refused)."""
-    from rl_engine.config import settings
-
     g = settings().tp_groups
     if g is None:
         return TP_GROUPS if tp > 1 else None
@@ -157,8 +156,6 @@ def subtree(a: torch.Tensor, b: torch.Tensor, groups: int, *, glu: bool = False,
     Both are the same bits (a test checks it).
     ``out``: an fp32 ``[M, N]`` destination (e.g. the one-shot exchange's buffer)."""
     _check_subtree(a, b, groups, glu)
-    from rl_engine.config import settings
-
     fused = _provider(a.device, backend).extras.get("tp_subtree")
     if fused is not None and not settings().tp_subtree_per_group:
         return fused(a, b, groups, glu=glu, out=out)
@@ -242,8 +239,6 @@ class Exchange:
         import torch.distributed as dist
 
         if one_shot is None:
-            from rl_engine.config import settings
-
             one_shot = settings().tp_oneshot
         fast = None
         if one_shot and dist.get_world_size(group) > 1:
