@@ -37,9 +37,9 @@ import common  # noqa: E402
 from shapes import QWEN3_30B_A3B_MOE  # noqa: E402
 
 from rl_engine import KernelRegistry  # noqa: E402
-from rl_engine._env import code_hash  # noqa: E402
 from rl_engine.ops import moe_combine, moe_experts, moe_router  # noqa: E402
 from rl_engine.ops.moe_experts import triton as moe_triton  # noqa: E402
+from rl_engine.run_info import code_hash  # noqa: E402
 
 DECODE_T = (1, 8, 32, 64, 128, 256)
 PREFILL_T = (4096, 8192, 16384)

@@ -50,7 +50,7 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 def device_info() -> dict[str, Any]:
     """Date, the package's code hash (``scripts/status.py`` compares it with the code now),
     versions and the device of a result."""
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

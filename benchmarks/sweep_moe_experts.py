@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from shapes import QWEN3_30B_A3B_MOE  # noqa: E402
 
-from rl_engine._env import code_hash  # noqa: E402
 from rl_engine.ops.moe_experts import triton as mt  # noqa: E402
+from rl_engine.run_info import code_hash  # noqa: E402
 
 TS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
 

@@ -1,6 +1,6 @@
 """Plumbing shared by the ``rl-engine`` subcommands that run vLLM against a trainer: ``audit``
-(:mod:`rl_engine.audit.cli`) and ``grpo`` (:mod:`rl_engine.rl.cli`), and by their worker
-processes (:mod:`rl_engine.audit.worker`, :mod:`rl_engine.rl.loop`)."""
+(:mod:`rl_engine.audit.cli`) and ``grpo`` (:mod:`rl_engine.grpo.cli`), and by their worker
+processes (:mod:`rl_engine.audit.worker`, :mod:`rl_engine.grpo.loop`)."""
 
 from __future__ import annotations
 

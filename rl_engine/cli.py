@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         add_audit = None
     if add_audit is not None:
         add_audit(sub)
-    from rl_engine.rl.cli import add_parser as add_grpo
+    from rl_engine.grpo.cli import add_parser as add_grpo
 
     add_grpo(sub)
     args = parser.parse_args(argv)

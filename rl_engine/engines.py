@@ -1,6 +1,6 @@
 """The engine runner: the rollout engine (vLLM) and the trainers (Hugging Face, Megatron-core),
 stock or rl_engine, as the drift audit (:mod:`rl_engine.audit`), the GRPO loop
-(:mod:`rl_engine.rl`) and the harnesses use them; and the one-process-per-configuration runner.
+(:mod:`rl_engine.grpo`) and the harnesses use them; and the one-process-per-configuration runner.
 It sits below the audit and the loop, which share it and do not import each other.
 
 vLLM's plugin patches, the registry's sticky resolutions and Megatron's CPU shim are all

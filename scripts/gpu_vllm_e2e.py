@@ -440,7 +440,7 @@ def _drive(args) -> int:
             else None
         )
     summary["ok"] = ok
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     summary["code_hash"] = code_hash()
     (out / "gpu_vllm_e2e.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -6,7 +6,7 @@
 Each status row of README.md names the result files it quotes and the code that decides its
 numbers (:data:`ROWS`). A result's code is found from what it recorded:
 
-* ``code_hash`` (every result JSON written now; :func:`rl_engine._env.code_hash`): the commit
+* ``code_hash`` (every result JSON written now; :func:`rl_engine.run_info.code_hash`): the commit
   whose package sources have that hash, searched in the history of ``rl_engine/``;
 * otherwise ("no code hash recorded") the commit that last changed the result file (results are
   committed with, or after, the code that made them), and the file's date.
@@ -57,7 +57,7 @@ ROWS = [
          [*ENGINES, *RUNNER, "rl_engine/audit", "scripts/gpu_vllm_e2e.py"]),
     _row("GRPO on CUDA vLLM", ["h200/grpo_qwen2_0.5b_hf/grpo.json",
                                "h200/grpo_qwen2_0.5b_megatron/grpo.json"],
-         [*ENGINES, *RUNNER, "rl_engine/rl"]),
+         [*ENGINES, *RUNNER, "rl_engine/grpo"]),
     _row("mixture of experts", ["h200/gpu_vllm_e2e_qwen3_qwen2_moe.json",
                                 "h200/gpu_vllm_e2e_mixtral.json", "h200/vllm_moe_ep2.json",
                                 "h100/session14_gpu/vllm_ep4.json",
@@ -150,7 +150,7 @@ class Repo:
         return self._by_hash.get(code_hash)
 
     def _hashes(self) -> dict[str, str]:
-        from rl_engine._env import code_hash_of
+        from rl_engine.run_info import code_hash_of
 
         commits = _git(self.root, "rev-list", "HEAD", "--", self.package).split()
         blobs: dict[str, bytes] = {}

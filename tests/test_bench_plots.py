@@ -221,7 +221,7 @@ def test_trainer_hf_plot(tmp_path, figures):
 
 def test_grpo_figure_draws_both_configurations(tmp_path, figures):
     """``rl-engine grpo``'s figure: reward per step and the ratio range per configuration."""
-    from rl_engine.rl.plots import grpo_figure
+    from rl_engine.grpo.plots import grpo_figure
 
     def steps(lo, hi):
         return [dict(step=s, reward_mean=0.1 * s, ratio_min=lo, ratio_max=hi) for s in (1, 2, 3)]
@@ -284,7 +284,7 @@ def test_poly_norm_plot_and_summary_line(tmp_path, capsys, figures):
     assert "poly_norm_t summary: x 0.123" in capsys.readouterr().out
     written = json.loads((tmp_path / "poly_norm_t.json").read_text())
     assert written["rows"] == rows
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     assert written["code_hash"] == code_hash()  # every result names the code it measured
 

@@ -30,7 +30,7 @@ PACKAGE_DIR = Path(rl_engine.__file__).resolve().parent
 # (rank, group, module prefixes), lowest first. A module imports its own group or a lower rank.
 LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (0, "core", ("rl_engine", "rl_engine._version", "rl_engine.config", "rl_engine.registry",
-                 "rl_engine._env")),
+                 "rl_engine.run_info")),
     (1, "ops", ("rl_engine.ops",)),
     (2, "modules", ("rl_engine.nn", "rl_engine.parallel")),  # nn.Module drop-ins over the ops
     (2, "testing", ("rl_engine.testing",)),  # tolerances, invariance checkers, tiny models
@@ -39,7 +39,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (3, "drift", ("rl_engine.drift",)),  # drift metrics and DriftMonitor
     (4, "runner", ("rl_engine.engines", "rl_engine._cli_common")),  # shared by audit and loop
     (5, "audit", ("rl_engine.audit",)),
-    (5, "loop", ("rl_engine.rl",)),  # the GRPO loop
+    (5, "loop", ("rl_engine.grpo",)),  # the GRPO loop
     (6, "top", ("rl_engine.cli", "rl_engine.harness", "rl_engine.integrations")),
 ]  # fmt: skip
 
@@ -241,16 +241,16 @@ def _one(module: str, source: str, is_pkg: bool = False) -> list[str]:
         ("rl_engine.ops.fake", "def f():\n    from rl_engine.testing.invariance import x\n",
          "rl_engine.testing.invariance"),
         ("rl_engine.ops.fake", "import rl_engine.adapters.hf\n", "rl_engine.adapters.hf"),
-        ("rl_engine.ops.fake", "from rl_engine.rl import loop\n", "rl_engine.rl"),
+        ("rl_engine.ops.fake", "from rl_engine.grpo import loop\n", "rl_engine.grpo"),
         ("rl_engine.ops.fake.sub", "from ...audit import cli\n", "rl_engine.audit"),
         ("rl_engine.ops.fake", "import importlib\nimportlib.import_module('rl_engine.harness.fuzz')\n",
          "rl_engine.harness.fuzz"),
         ("rl_engine.testing.fake", "from rl_engine.adapters.vllm import compat\n",
          "rl_engine.adapters.vllm"),
-        ("rl_engine.audit.fake", "from rl_engine.rl.loop import run\n", "rl_engine.rl.loop"),
-        ("rl_engine.rl.fake", "def f():\n    from rl_engine.audit.worker import main\n",
+        ("rl_engine.audit.fake", "from rl_engine.grpo.loop import run\n", "rl_engine.grpo.loop"),
+        ("rl_engine.grpo.fake", "def f():\n    from rl_engine.audit.worker import main\n",
          "rl_engine.audit.worker"),
-        ("rl_engine.rl.fake",
+        ("rl_engine.grpo.fake",
          "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rl_engine.audit import x\n",
          "rl_engine.audit"),
         ("rl_engine.drift.fake", "from rl_engine.engines import load_trainer\n", "rl_engine.engines"),
@@ -304,8 +304,8 @@ def test_a_module_outside_every_layer_is_reported():
     ],
 )  # fmt: skip
 def test_an_env_read_outside_config_is_reported(source, name):
-    (problem,) = _one("rl_engine.rl.fake", source)
-    assert problem.startswith("rl_engine.rl.fake:") and f"variable {name}:" in problem
+    (problem,) = _one("rl_engine.grpo.fake", source)
+    assert problem.startswith("rl_engine.grpo.fake:") and f"variable {name}:" in problem
     assert _one("rl_engine.config", source) == []  # the one reader
 
 
@@ -318,4 +318,4 @@ def test_setting_a_variable_is_not_a_read():
         "env['RL_ENGINE_VLLM'] = '1'\n"
         "x = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
     )
-    assert _one("rl_engine.rl.fake", source) == []
+    assert _one("rl_engine.grpo.fake", source) == []

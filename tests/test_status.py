@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_engine._env import code_hash_of
+from rl_engine.run_info import code_hash_of
 
 ROOT = Path(__file__).resolve().parent.parent
 

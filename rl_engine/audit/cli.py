@@ -480,7 +480,7 @@ def _audit(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             "check": provenance_check(prov_roll, prov_train) if name == "rl_engine" else None,
         }
         results[name] = metrics
-    from rl_engine._env import environment
+    from rl_engine.run_info import environment
 
     return {
         "schema_version": SCHEMA_VERSION,

@@ -219,7 +219,7 @@ def capture_vllm(llm: Any, ids: list[int]) -> dict[str, torch.Tensor]:
     at every position (vLLM's own LM head path)."""
     from vllm import SamplingParams
 
-    # through collective_rpc and the worker's model runner (as rl_engine.rl.sync does): the
+    # through collective_rpc and the worker's model runner (as rl_engine.grpo.sync does): the
     # same call on every vLLM version the plugin supports
     llm.collective_rpc(_on_model, args=(_vllm_hook,))
     try:

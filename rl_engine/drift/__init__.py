@@ -7,7 +7,7 @@
 * :class:`DriftMonitor` (:mod:`rl_engine.drift.monitor`, with :data:`METRIC_NAMES` and
   :data:`METRIC_DOCS`): the drift metrics of one training batch for a logger, one host sync.
 
-It sits below :mod:`rl_engine.audit` and :mod:`rl_engine.rl`, which both use it and do not
+It sits below :mod:`rl_engine.audit` and :mod:`rl_engine.grpo`, which both use it and do not
 import each other. ``from rl_engine.audit import DriftMonitor`` keeps working. The monitor is
 loaded on first use, so importing this package stays cheap.
 """

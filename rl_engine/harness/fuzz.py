@@ -785,9 +785,9 @@ def _run_workers(args: argparse.Namespace) -> FuzzReport:
 
 
 def _code_hash() -> str:
-    """:func:`rl_engine._env.code_hash`: two reports with the same hash ran the same kernels and
+    """:func:`rl_engine.run_info.code_hash`: two reports with the same hash ran the same kernels and
     checks."""
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     return code_hash()
 

@@ -65,7 +65,7 @@ def _rank_subtree(rank: int, m: int, n: int, seed: int) -> torch.Tensor:
 def check_subtree(t: int, rank: int, quick: bool) -> list[dict]:
     """Item 1: the one-launch kernel == the per-group launches (each rank checks its shard)."""
     from rl_engine.ops.det_gemm import config as cfgs
-    from rl_engine.ops.det_gemm import tp as tpm
+    from rl_engine.ops.det_gemm import tp
     from rl_engine.ops.det_gemm import triton as dtr
 
     rows = []
@@ -81,13 +81,13 @@ def check_subtree(t: int, rank: int, quick: bool) -> list[dict]:
                 w = (torch.randn(n if not glu else k, k if not glu else n, generator=g)
                      / k**0.5).to("cuda", dtype)  # fmt: skip
                 b = w.t() if not glu else w  # row: weight.t(); column dx: the weight itself
-                ref = tpm.subtree_per_group(a, b, tpm.TP_GROUPS // t, glu=glu, backend="triton")
-                got = dtr.det_gemm_tp_subtree(a, b, tpm.TP_GROUPS // t, glu=glu)
+                ref = tp.subtree_per_group(a, b, tp.TP_GROUPS // t, glu=glu, backend="triton")
+                got = dtr.det_gemm_tp_subtree(a, b, tp.TP_GROUPS // t, glu=glu)
                 same = torch.equal(got, ref)
                 cfg_same = True
                 if m in (17, 255):
                     for cfg in cfgs.all_tp_subtree_configs(dtype):
-                        out = dtr.det_gemm_tp_subtree(a, b, tpm.TP_GROUPS // t, glu=glu, cfg=cfg)
+                        out = dtr.det_gemm_tp_subtree(a, b, tp.TP_GROUPS // t, glu=glu, cfg=cfg)
                         cfg_same &= torch.equal(out, ref)
                 rows.append({"check": "subtree", "tp": t, "shape": name, "dtype": str(dtype),
                              "tokens": m, "equal": same and cfg_same})  # fmt: skip
@@ -106,11 +106,11 @@ def check_oneshot(dist, group, t, rank, timer, tokens, one, nccl) -> list[dict]:
 
 
 def _oneshot_case(dist, group, t, rank, timer, m, one, nccl, bias) -> dict:
-    from rl_engine.ops.det_gemm import tp as tpm
+    from rl_engine.ops.det_gemm import tp
 
     n = HIDDEN
     subs = [_rank_subtree(r, m, n, seed=m) for r in range(t)]
-    want = tpm.finish(tpm.combine(subs), bias, torch.bfloat16)  # TP = 1 bits
+    want = tp.finish(tp.combine(subs), bias, torch.bfloat16)  # TP = 1 bits
     sub = subs[rank]
     got_one = one(sub, bias, torch.bfloat16)
     got_nccl = nccl(sub, bias, torch.bfloat16)
@@ -133,7 +133,7 @@ def _oneshot_case(dist, group, t, rank, timer, m, one, nccl, bias) -> dict:
         static.copy_(fresh[rank])
         graph.replay()
         torch.cuda.synchronize()
-        ok &= torch.equal(holder["out"], tpm.finish(tpm.combine(fresh), bias, torch.bfloat16))
+        ok &= torch.equal(holder["out"], tp.finish(tp.combine(fresh), bias, torch.bfloat16))
     del graph
     ok = _agree(dist, group, ok)
     part = sub.to(torch.bfloat16)
@@ -168,7 +168,7 @@ def check_layer(dist, group, t, rank, timer, tokens, one, nccl) -> list[dict]:
 
 
 def _layer_case(dist, group, t, rank, timer, m, one, nccl) -> dict:
-    from rl_engine.ops.det_gemm import tp as tpm
+    from rl_engine.ops.det_gemm import tp
 
     k, n, dt = FFN, HIDDEN, torch.bfloat16
     g = torch.Generator().manual_seed(1000 + m)
@@ -176,7 +176,7 @@ def _layer_case(dist, group, t, rank, timer, m, one, nccl) -> dict:
     w = (torch.randn(n, k, generator=g) / k**0.5).to("cuda", dt)
     lo, hi = rank * k // t, (rank + 1) * k // t
     xs, ws = x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous()
-    groups = tpm.TP_GROUPS // t
+    groups = tp.TP_GROUPS // t
 
     def stock():
         y = xs @ ws.t()
@@ -184,16 +184,16 @@ def _layer_case(dist, group, t, rank, timer, m, one, nccl) -> dict:
         return y
 
     def per_group():  # the path before the one-launch kernel: a launch per group
-        sub = tpm.subtree_per_group(xs, ws.t(), groups, backend="triton")
+        sub = tp.subtree_per_group(xs, ws.t(), groups, backend="triton")
         return nccl(sub, None, dt)
 
     def fused_nccl():
-        return tpm.tp_linear(xs, ws, None, parallel="row", exchange=nccl, tp=t)
+        return tp.tp_linear(xs, ws, None, parallel="row", exchange=nccl, tp=t)
 
     def fused_one():  # the subtree kernel writes into the symmetric buffer directly
-        return tpm.tp_linear(xs, ws, None, parallel="row", exchange=one, tp=t)
+        return tp.tp_linear(xs, ws, None, parallel="row", exchange=one, tp=t)
 
-    want = tpm.det_gemm_tp(x, w.t())
+    want = tp.det_gemm_tp(x, w.t())
     ok = all(torch.equal(f(), want) for f in (per_group, fused_nccl, fused_one))
     ok = _agree(dist, group, ok)
     r = {"check": "layer", "layer": "down_proj", "tp": t, "tokens": m, "k": k, "n": n,
@@ -214,7 +214,7 @@ def _layer_case(dist, group, t, rank, timer, m, one, nccl) -> dict:
 
 
 def _info() -> dict:
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     try:
         import triton
@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from rl_engine.ops.det_gemm import oneshot
-    from rl_engine.ops.det_gemm import tp as tpm
+    from rl_engine.ops.det_gemm import oneshot, tp
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -255,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = (1, 16, 64, 256) if args.quick else DECODE_TOKENS
     timer = RankTimer(dist, group, 10 if args.quick else 50, require_graph=True)
     # one-shot for every size measured here (1 - 256 tokens x 4096: up to 4 MiB of fp32)
-    one = tpm.Exchange.over(group, one_shot=False)
+    one = tp.Exchange.over(group, one_shot=False)
     one.one_shot = oneshot.OneShot.over(group, max_bytes=4 * max(tokens) * HIDDEN)
-    nccl = tpm.Exchange.over(group, one_shot=False)
+    nccl = tp.Exchange.over(group, one_shot=False)
     rows: list[dict] = []
     if "subtree" not in skip:
         rows += check_subtree(t, rank, args.quick)

@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ok, lines = verdict(results, steps)
     print("\n".join(lines))
     if args.json:
-        from rl_engine._env import environment
+        from rl_engine.run_info import environment
 
         env = environment(args.device)
         try:

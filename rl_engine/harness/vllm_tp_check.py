@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['max_abs_logprob_diff']})")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            from rl_engine._env import code_hash
+            from rl_engine.run_info import code_hash
 
             json.dump({"code_hash": code_hash(), "gpu": _gpu(),
                        "dtype": args.dtype or default_dtype(), "tp": args.tp, "ep": args.ep,

