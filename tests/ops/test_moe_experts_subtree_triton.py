@@ -28,7 +28,7 @@ from rl_engine.ops.moe_experts import triton as mt
 from rl_engine.ops.silu_and_mul import triton as act_triton
 from rl_engine.testing.invariance import assert_bitwise
 from tests.conftest import DEVICE, gpu, skip_unless_triton
-from tests.ops.test_moe_experts_triton import _inputs, _weights
+from tests.ops.test_moe_experts_triton import _inputs, _weights, graph_replays
 
 pytestmark = skip_unless_triton(mt)
 
@@ -224,28 +224,11 @@ def test_gpu_cuda_graph_replay(groups):
     dtype = torch.bfloat16
     c = MODEL
     w13, w2 = _weights(dtype, e=c["e"], h=c["h"], i=c["i"])
-    t = 64
-    x, ids = _inputs(t, dtype, e=c["e"], k=c["k"], h=c["h"])
-    emap = torch.arange(c["e"], device=DEVICE)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            mt.moe_experts_subtree(x, ids, w13, w2, groups, emap)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mt.moe_experts_subtree(x, ids, w13, w2, groups, emap)
-    for seed in range(3):
-        x2, ids2 = _inputs(t, dtype, e=c["e"], k=c["k"], h=c["h"], seed=100 + seed)
-        if seed == 2:
-            ids2[:] = ids2[:1]  # every token to the same k experts
-        x.copy_(x2)
-        ids.copy_(ids2)
-        emap.copy_(torch.where(torch.arange(c["e"]) % 3 == seed, -1, torch.arange(c["e"])))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = mt.moe_experts_subtree(x2, ids2, w13, w2, groups, emap.clone())
-        assert_bitwise(out, want, f"graph replay {seed} vs eager")
+
+    def run(x, ids, emap):
+        return mt.moe_experts_subtree(x, ids, w13, w2, groups, emap)
+
+    for seed, out, x2, ids2, emap in graph_replays(run, c, dtype):
+        assert_bitwise(out, run(x2, ids2, emap), f"graph replay {seed} vs eager")
         if seed == 0:
-            _sampled_contract(x2, ids2, w13, w2, groups, out.clone(), emap.clone(), 4)
+            _sampled_contract(x2, ids2, w13, w2, groups, out.clone(), emap, 4)
