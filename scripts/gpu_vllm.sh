@@ -57,7 +57,7 @@ for step in ${STEPS:-e2e}; do
     rollout) cmd=($PY benchmarks/bench_rollout.py --out "$RES") ;;
     trainer) cmd=($PY benchmarks/bench_trainer_hf.py --out "$RES") ;;
     moe-tests)  # the MoE ops on CUDA (bf16, CUDA graphs): Triton grouped experts + references
-      cmd=($PY -m pytest -q -p no:logging tests/ops/test_moe_experts_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py) ;;
+      cmd=($PY -m pytest -q -p no:logging tests/ops/test_moe_experts_triton.py tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py) ;;
     moe-bench) cmd=($PY benchmarks/bench_moe.py --out "$RES") ;;  # vs vLLM's fused_moe
     moe-sweep) cmd=($PY benchmarks/sweep_moe_experts.py --out "$RES") ;;  # experts tile sweep
     moe-train) cmd=($PY benchmarks/bench_moe_train.py --out "$RES") ;;  # fwd+bwd vs transformers

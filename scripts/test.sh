@@ -24,5 +24,6 @@ TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WO
   tests/ops/test_attention.py tests/invariance/test_attention_paths.py \
   tests/ops/test_host_independence.py tests/test_fuzz.py tests/ops/test_dtensor_norms.py \
   tests/ops/test_rms_norm_tp.py tests/ops/test_poly_norm.py tests/ops/test_moe_experts_triton.py \
-  tests/ops/test_moe_triton.py tests/ops/test_grouped_poly_norm_triton.py \
+  tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_moe_triton.py \
+  tests/ops/test_grouped_poly_norm_triton.py \
   -k triton "$@"

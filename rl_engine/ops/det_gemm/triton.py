@@ -527,50 +527,19 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _det_gemm_tp_subtree_kernel(
-        a_ptr,
-        b_ptr,
-        out_ptr,
-        M,
-        N,
-        GL,
-        HALF,
-        stride_am,
-        stride_ak,
-        stride_bk,
-        stride_bn,
-        stride_om,
-        stride_on,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        GROUPS: tl.constexpr,
-        CHUNK: tl.constexpr,
-        GLU: tl.constexpr,
-        UPCAST: tl.constexpr,
+    def _tp_subtree_tile(
+        a_ptr, b_ptr, ram, rbn, rk, GL, HALF,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUPS: tl.constexpr, CHUNK: tl.constexpr, GLU: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr,
-        INT64: tl.constexpr,
-    ):
-        # One program per output tile: the GROUPS group products of the tile (each as
-        # _tp_group_product) and their adjacent-pair tree, in registers, written once in fp32.
-        # The tree as a binary counter (static: GROUPS is a constexpr, every branch below is
-        # resolved at compile time): ``lv<l>`` holds the finished left subtree of 2^l groups
-        # waiting for its right neighbour; group g's product climbs while bit l of g is 1,
-        # ``x = lv<l> + x`` (left + right: pair_tree's order).
-        pid_m, pid_n = _grouped_tile(
-            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
-        )
-        if INT64:
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        if INT64:
-            rk = rk.to(tl.int64)
-        ram = rm % M
-        rbn = rn % N
+    ):  # fmt: skip
+        """fp32 [BM, BN] tile (rows ``ram``, columns ``rbn``) of the adjacent-pair tree of the
+        ``GROUPS`` group products (each as :func:`_tp_group_product`). The tree as a binary
+        counter (static: GROUPS is a constexpr, every branch below is resolved at compile
+        time): ``lv<l>`` holds the finished left subtree of 2^l groups waiting for its right
+        neighbour; group g's product climbs while bit l of g is 1, ``x = lv<l> + x`` (left +
+        right: pair_tree's order). At most 32 groups (five levels)."""
         lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         lv1 = lv0
         lv2 = lv0
@@ -603,6 +572,51 @@ if triton is not None:
                                 lv4 = x
                             else:
                                 x = lv4 + x
+        return x
+
+    @triton.jit
+    def _det_gemm_tp_subtree_kernel(
+        a_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        GL,
+        HALF,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_om,
+        stride_on,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        GROUPS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        GLU: tl.constexpr,
+        UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+        INT64: tl.constexpr,
+    ):
+        # One program per output tile: the GROUPS group products of the tile and their
+        # adjacent-pair tree (_tp_subtree_tile), in registers, written once in fp32.
+        pid_m, pid_n = _grouped_tile(
+            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+        )
+        if INT64:
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        if INT64:
+            rk = rk.to(tl.int64)
+        x = _tp_subtree_tile(
+            a_ptr, b_ptr, rm % M, rn % N, rk, GL, HALF, stride_am, stride_ak, stride_bk,
+            stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, CHUNK, GLU, UPCAST, IEEE,
+        )  # fmt: skip
         o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on
         tl.store(o_ptrs, x, mask=(rm[:, None] < M) & (rn[None, :] < N))
 

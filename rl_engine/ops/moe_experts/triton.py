@@ -29,6 +29,12 @@ sync, CUDA-graph capturable):
    each rounded to ``x.dtype``, then ``silu(gate) * up`` -> ``act`` [padded rows, I].
 3. kernel 2: ``act`` rows @ ``w2[e].T`` -> ``y`` rows scattered to their slots ([T * k, H]).
 
+Expert tensor parallelism (extra ``subtree``, :func:`moe_experts_subtree`): kernel 2 with a
+``GROUPS`` constexpr computes the down projection as this rank's fp32 subtree of the TP-invariant
+reduction (:mod:`rl_engine.ops.det_gemm.tp`): the ``I`` columns in ``GROUPS`` equal groups, each
+group's product in det_gemm's weight-gradient order, the adjacent-pair tree over them (det_gemm's
+TP subtree kernel's tile code, ``_tp_subtree_tile``), fp32 rows, not rounded.
+
 Backward (recomputes ``h`` with kernel 1): ``dact = dy[slot] @ w2[e]`` (kernel 2's GEMM with the
 weight transposed: det_gemm's ``da = det_gemm(grad, b.t())``), ``dh = silu_and_mul_backward``,
 ``dx_slot = dh @ w13[e]``, ``dx[t] = sum over slots s in order (fp32, one rounding)``. Weight
@@ -53,6 +59,7 @@ import torch
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
+from rl_engine.ops.det_gemm import tp as _tp
 from rl_engine.ops.det_gemm.config import INTERPRETER_BLOCK_K, K_CHUNK, WGRAD_CHUNK
 from rl_engine.ops.moe_experts import reference
 from rl_engine.ops.moe_experts.reference import _check, sum_slots
@@ -64,6 +71,7 @@ __all__ = [
     "get_config",
     "moe_experts",
     "moe_experts_backward",
+    "moe_experts_subtree",
 ]
 
 
@@ -102,6 +110,19 @@ class MoeGemmConfig:
             return self
         n, k, warps, stages = self.down
         return MoeGemmConfig(self.block_m, n, k, warps, stages)
+
+    def for_subtree(self, groups: int) -> MoeGemmConfig:
+        """Kernel 2's config for the grouped (TP subtree) down projection: :meth:`for_down`
+        with ``block_n`` halved until the tile fits the register budget of its pair tree
+        (``log2(groups)`` waiting levels + the running product: 64 fp32 a thread per tile for
+        up to 2 groups, 32 beyond). A launch choice only (PROVISIONAL: the budget rule of
+        ``det_gemm``'s TP table, not tuned on a GPU)."""
+        down = self.for_down()
+        cap = (64 if groups <= 2 else 32) * 32 * down.num_warps
+        block_n = down.block_n
+        while down.block_m * block_n > cap and block_n > 16:
+            block_n //= 2
+        return dataclasses.replace(down, block_n=block_n)
 
     def for_interpreter(self) -> MoeGemmConfig:
         return dataclasses.replace(self, block_k=INTERPRETER_BLOCK_K)
@@ -147,7 +168,7 @@ def all_configs(dtype: torch.dtype) -> list[MoeGemmConfig]:
 
 if triton is not None:
     # ``acc + a @ b`` exactly as det_gemm's kernels compute it: their own function
-    from rl_engine.ops.det_gemm.triton import _dot_acc
+    from rl_engine.ops.det_gemm.triton import _dot_acc, _tp_subtree_tile
 
     @triton.jit
     def _chunk(
@@ -209,19 +230,24 @@ if triton is not None:
     @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, h_ptr, slots_ptr, block_expert_ptr,
-        N, K, S, E, a_div,
+        N, K, S, E, a_div, GL,
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
         stride_hm, stride_hn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         KC_TILES: tl.constexpr, MULTI_CHUNK: tl.constexpr, A_GATHER: tl.constexpr,
         C_SCATTER: tl.constexpr, SWIGLU: tl.constexpr, STORE_H: tl.constexpr,
         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        GROUPS: tl.constexpr,
     ):  # fmt: skip
         # One program: block ``pid_m`` (BLOCK_M padded positions of one expert) x BLOCK_N
         # output columns. A rows: A_GATHER -> row slots[p] // a_div (padding: row 0), else
         # the padded position p. C rows: C_SCATTER -> slot slots[p] (padding: not stored),
         # else p. SWIGLU: columns n (gate) and N + n (up) of b, each rounded to c's dtype,
         # c = silu(gate) * up (STORE_H: the rounded gate / up also to h [p, 2N]).
+        # GROUPS > 0 (the TP subtree; fp32 c): K is GROUPS groups of GL columns, each group's
+        # fp32 product in det_gemm's weight-gradient order (chunks of KC_TILES * BLOCK_K
+        # positions: the launcher makes that WGRAD_CHUNK), the products added by the
+        # adjacent-pair tree: det_gemm's TP subtree kernel's tile (_tp_subtree_tile).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
@@ -249,11 +275,18 @@ if triton is not None:
         a_rows = a_ptr + a_row[:, None] * stride_am
         b_base = b_ptr + e.to(tl.int64) * stride_be
         rbn = rn % N  # out-of-range columns wrap to valid ones (not stored)
-        acc, up = _product(
-            a_rows, b_base + rbn[None, :] * stride_bn, N * stride_bn, rk, K, stride_ak,
-            stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, KC_TILES, MULTI_CHUNK, SWIGLU, EVEN_K, UPCAST,
-            IEEE,
-        )  # fmt: skip
+        if GROUPS > 0:
+            acc = _tp_subtree_tile(
+                a_ptr, b_base, a_row, rbn, rk, GL, 0, stride_am, stride_ak, stride_bk,
+                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, KC_TILES * BLOCK_K, False,
+                UPCAST, IEEE,
+            )  # fmt: skip
+        else:
+            acc, up = _product(
+                a_rows, b_base + rbn[None, :] * stride_bn, N * stride_bn, rk, K, stride_ak,
+                stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, KC_TILES, MULTI_CHUNK, SWIGLU, EVEN_K,
+                UPCAST, IEEE,
+            )  # fmt: skip
         if SWIGLU:
             g16 = acc.to(c_ptr.dtype.element_ty)
             u16 = up.to(c_ptr.dtype.element_ty)
@@ -521,31 +554,35 @@ def align_torch(
 
 def _gemm(
     a, b, c, h, slots, block_expert, *, n, k, s, n_experts, a_div, b_strides, cfg,
-    a_gather, c_scatter, swiglu, store_h,
+    a_gather, c_scatter, swiglu, store_h, groups=0,
 ) -> None:  # fmt: skip
-    """Launch the grouped GEMM; ``b_strides`` = (expert, k, n) strides of the weight."""
+    """Launch the grouped GEMM; ``b_strides`` = (expert, k, n) strides of the weight;
+    ``groups`` > 0: the TP subtree of that many K groups (fp32 ``c``)."""
     on_cpu = a.device.type == "cpu"
     if on_cpu:
         cfg = cfg.for_interpreter()
+    chunk = WGRAD_CHUNK if groups else K_CHUNK  # the group products' chunk: det_gemm_wgrad's
+    if chunk % cfg.block_k:
+        raise ValueError(f"moe_experts[triton]: block_k={cfg.block_k} must divide {chunk}")
     nb = block_expert.shape[0]
     hh = h if h is not None else c
     grid = (nb, _tr.cdiv(n, cfg.block_n))
     with _guard(a):
         _kernel("_moe_gemm_kernel", a.device)[grid](
             a, b, c, hh, slots, block_expert,
-            n, k, s, n_experts, a_div,
+            n, k, s, n_experts, a_div, k // max(groups, 1),
             a.stride(0), a.stride(1), *b_strides, c.stride(0), c.stride(1),
             hh.stride(0), hh.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            KC_TILES=K_CHUNK // cfg.block_k, MULTI_CHUNK=k > K_CHUNK, A_GATHER=a_gather,
+            KC_TILES=chunk // cfg.block_k, MULTI_CHUNK=k > K_CHUNK, A_GATHER=a_gather,
             C_SCATTER=c_scatter, SWIGLU=swiglu, STORE_H=store_h,
             EVEN_K=k % cfg.block_k == 0, UPCAST=on_cpu and a.dtype != torch.float32,
-            IEEE=a.dtype == torch.float32 or on_cpu,
+            IEEE=a.dtype == torch.float32 or on_cpu, GROUPS=groups,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
 
-def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool):
+def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool, groups: int = 0):
     t, hdim = x.shape
     top_k = ids.shape[1]
     n_exp, i2, _ = w13.shape
@@ -558,9 +595,10 @@ def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool):
     alloc = torch.zeros if keep else torch.empty
     act = alloc((p, inter), dtype=x.dtype, device=x.device)
     h = alloc((p, i2), dtype=x.dtype, device=x.device) if keep else None
-    y = torch.empty((s, hdim), dtype=x.dtype, device=x.device)
+    # groups > 0: the down projection is the TP subtree, fp32 rows (not rounded)
+    y = torch.empty((s, hdim), dtype=torch.float32 if groups else x.dtype, device=x.device)
     common = dict(s=s, n_experts=n_exp, cfg=cfg)
-    down = dict(s=s, n_experts=n_exp, cfg=cfg.for_down())
+    down = dict(s=s, n_experts=n_exp, cfg=cfg.for_subtree(groups) if groups else cfg.for_down())
     _gemm(
         x, w13, act, h, slots, block_expert, n=inter, k=hdim, a_div=top_k,
         b_strides=(w13.stride(0), w13.stride(2), w13.stride(1)),
@@ -570,7 +608,7 @@ def _forward(x, ids, w13, w2, expert_map, cfg, *, keep: bool):
         _gemm(
             act, w2, y, None, slots, block_expert, n=hdim, k=inter, a_div=1,
             b_strides=(w2.stride(0), w2.stride(2), w2.stride(1)),
-            a_gather=False, c_scatter=True, swiglu=False, store_h=False, **down,
+            a_gather=False, c_scatter=True, swiglu=False, store_h=False, groups=groups, **down,
         )  # fmt: skip
     layout = (slots, block_expert, row_start, counts)
     return y.view(t, top_k, hdim), act, h, layout
@@ -583,16 +621,19 @@ def moe_experts_with_config(
     w2: torch.Tensor,
     expert_map: torch.Tensor | None,
     cfg: MoeGemmConfig | None,
+    *,
+    groups: int = 0,
 ) -> torch.Tensor:
-    """:func:`moe_experts` with an explicit launch config (tests; same bits)."""
+    """:func:`moe_experts` with an explicit launch config (tests; same bits); ``groups`` > 0:
+    :func:`moe_experts_subtree`'s fp32 rows."""
     _check(x, ids, w13, w2, expert_map, values=False)
     _check_device(x)
     t, hdim = x.shape
     top_k = ids.shape[1]
     if t == 0 or top_k == 0 or hdim == 0:
-        return x.new_zeros((t, top_k, hdim))
+        return x.new_zeros((t, top_k, hdim), dtype=torch.float32 if groups else x.dtype)
     cfg = cfg or get_config(t * top_k, w13.shape[0], x.dtype)
-    return _forward(x, ids, w13, w2, expert_map, cfg, keep=False)[0]
+    return _forward(x, ids, w13, w2, expert_map, cfg, keep=False, groups=groups)[0]
 
 
 @signature_of(reference.moe_experts)
@@ -609,6 +650,53 @@ def moe_experts(*args: Any) -> torch.Tensor:
         y [T, k, H] in ``x.dtype`` (+0 rows for non-local experts).
     """
     return moe_experts_with_config(*args, None)
+
+
+# Groups of the subtree's pair tree (det_gemm's TP subtree tile: one register tile per level).
+_SUBTREE_MAX_GROUPS = 32
+
+
+def moe_experts_subtree(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    groups: int,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts' down projection as this rank's fp32 subtree of the TP-invariant reduction
+    (expert tensor parallelism: each rank holds ``I / t`` of every expert's FFN).
+
+    For every slot ``(t, s)`` with local expert ``e``: ``a`` = the forward's activation row
+    (kernel 1: det_gemm gate / up, ``silu_and_mul``, ``x.dtype``) and ``out[t, s] =
+    det_gemm.tp.subtree(a, w2[e].T, groups, backend="triton")``: the ``I`` columns cut into
+    ``groups`` equal groups, each group's fp32 product in the order of det_gemm's Triton
+    weight-gradient kernel, the products added by the adjacent-pair tree; fp32, not rounded.
+    Non-local slots: +0 rows. Batch invariant (rows never mix; the tile config, picked by the
+    rows per expert as the forward's, never changes the order). The forward's launches, kernel
+    2 with ``GROUPS``: no host sync, CUDA-graph capturable.
+
+    Args:
+        x: [T, H] float32 / bfloat16 / float16.
+        ids: [T, k] global expert ids.
+        w13: [E, 2I, H] this rank's gate rows then up rows; w2: [E, H, I] (any strides).
+        groups: this rank's group count (``TP_GROUPS / t``), a power of two dividing ``I``,
+            at most 32.
+        expert_map: optional [E_global] global -> local id, -1 if not local.
+
+    Returns:
+        fp32 [T, k, H].
+    """
+    _check(x, ids, w13, w2, expert_map, values=False)
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"moe_experts subtree: groups must be an int, got {type(groups).__name__}")
+    _tp.check_split(w2.shape[2], 1, what="moe_experts subtree", groups=groups)
+    if groups > _SUBTREE_MAX_GROUPS:
+        raise ValueError(
+            f"moe_experts subtree: {groups} groups; the Triton kernel takes at most "
+            f"{_SUBTREE_MAX_GROUPS}"
+        )
+    return moe_experts_with_config(x, ids, w13, w2, expert_map, None, groups=groups)
 
 
 def _wgrad(a, g, out, slots, row_start, counts, *, ko, n, a_div, a_gather, out_strides):
@@ -702,5 +790,5 @@ PROVIDER = _tr.triton_provider(
     numerics=f"moe_experts/triton-kc{K_CHUNK}",
     fn=moe_experts,
     version="1",
-    extras={"backward": moe_experts_backward},
+    extras={"backward": moe_experts_backward, "subtree": moe_experts_subtree},
 )
