@@ -1188,7 +1188,6 @@ def attention_bwd(
 
 
 PROVIDER = _tr.triton_provider(
-    op="attention",
     numerics="attention/triton",
     fn=attention,
     version="2",

@@ -231,7 +231,6 @@ def grouped_poly_norm_backward(
 
 
 PROVIDER = _tr.triton_provider(
-    op="grouped_poly_norm",
     numerics=f"grouped_poly_norm/triton-b{pn.LANES}",
     fn=grouped_poly_norm,
     version=f"1.{pn.PROVIDER.version}",

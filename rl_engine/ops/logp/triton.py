@@ -503,7 +503,6 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE
 
 PROVIDER = _tr.triton_provider(
-    op="logp",
     numerics=f"logp/{NUMERICS}",
     fn=logp,
     version="1",
