@@ -19,30 +19,46 @@ class GemmShape(NamedTuple):
 # Rows (tokens) per launch.
 M_VALUES: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
+# Every real projection the grids below draw from, once: (name, K, N).
+_PROJECTIONS: dict[str, GemmShape] = {
+    s.name: s
+    for s in (
+        GemmShape("llama3-8b.o_proj", 4096, 4096),
+        GemmShape("llama3-8b.qkv_proj", 4096, 6144),
+        GemmShape("llama3-8b.up_proj", 4096, 14336),
+        GemmShape("llama3-8b.gate_up_proj", 4096, 28672),
+        GemmShape("llama3-8b.down_proj", 14336, 4096),
+        GemmShape("llama3-8b.lm_head", 4096, 128256),
+        GemmShape("qwen3-1.7b.lm_head", 2048, 151936),
+        GemmShape("qwen3-8b.gate_up_proj", 4096, 24576),
+        GemmShape("qwen3-8b.lm_head", 4096, 151936),
+        GemmShape("qwen3-32b.q_proj", 5120, 8192),
+    )
+}
+
+
+def _grid(*names: str) -> tuple[GemmShape, ...]:
+    return tuple(_PROJECTIONS[n] for n in names)
+
+
 # The det_gemm acceptance grid: Llama-3-8B o_proj / up(gate) / down and a Qwen3-1.7B LM head.
-GEMM_SHAPES: tuple[GemmShape, ...] = (
-    GemmShape("llama3-8b.o_proj", 4096, 4096),
-    GemmShape("llama3-8b.up_proj", 4096, 14336),
-    GemmShape("llama3-8b.down_proj", 14336, 4096),
-    GemmShape("qwen3-1.7b.lm_head", 2048, 151936),
+GEMM_SHAPES = _grid(
+    "llama3-8b.o_proj", "llama3-8b.up_proj", "llama3-8b.down_proj", "qwen3-1.7b.lm_head"
 )
 
 # The CUDA C++ det_gemm's grid (issue 47): the Llama-3-8B projections as vLLM fuses them (N, K:
 # o 4096x4096, qkv 6144x4096, gate_up 28672x4096, down 4096x14336) and a 151,936-vocab LM head.
-CSRC_GEMM_SHAPES: tuple[GemmShape, ...] = (
-    GemmShape("llama3-8b.o_proj", 4096, 4096),
-    GemmShape("llama3-8b.qkv_proj", 4096, 6144),
-    GemmShape("llama3-8b.gate_up_proj", 4096, 28672),
-    GemmShape("llama3-8b.down_proj", 14336, 4096),
-    GemmShape("qwen3-8b.lm_head", 4096, 151936),
+CSRC_GEMM_SHAPES = _grid(
+    "llama3-8b.o_proj",
+    "llama3-8b.qkv_proj",
+    "llama3-8b.gate_up_proj",
+    "llama3-8b.down_proj",
+    "qwen3-8b.lm_head",
 )
 
 # Further real projections (not in the acceptance grid; for wider sweeps).
-EXTRA_GEMM_SHAPES: tuple[GemmShape, ...] = (
-    GemmShape("llama3-8b.qkv_proj", 4096, 6144),
-    GemmShape("qwen3-8b.gate_up_proj", 4096, 24576),
-    GemmShape("qwen3-32b.q_proj", 5120, 8192),
-    GemmShape("llama3-8b.lm_head", 4096, 128256),
+EXTRA_GEMM_SHAPES = _grid(
+    "llama3-8b.qkv_proj", "qwen3-8b.gate_up_proj", "qwen3-32b.q_proj", "llama3-8b.lm_head"
 )
 
 # The ~1B Qwen2-shaped model of benchmarks/bench_rollout.py and bench_trainer.py (each adds its

@@ -59,10 +59,14 @@ def available(device: str, *, triton_interpret: bool) -> str | None:
     return f"device {device!r} is not supported"
 
 
-def triton_provider(*, op: str, numerics: str, fn: Any, **fields: Any) -> Provider:
+def triton_provider(*, numerics: str, fn: Any, op: str | None = None, **fields: Any) -> Provider:
     """An op's ``triton`` provider: CUDA (and the CPU through the Triton interpreter), the float
-    dtypes, invariant, availability :func:`available` unless ``fields`` names another."""
+    dtypes, invariant, availability :func:`available` unless ``fields`` names another. ``op``
+    defaults to the family's op, the part of ``numerics`` before its first ``/``
+    (``"ratio_kl/triton"``: ``ratio_kl``)."""
     fields.setdefault("available", available)
+    if op is None:
+        op = numerics.partition("/")[0]
     return Provider(op=op, name="triton", devices=("cuda", "cpu"), dtypes=FLOAT_DTYPES,
                     invariant=True, numerics=numerics, fn=fn, **fields)  # fmt: skip
 

@@ -171,15 +171,18 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _seq_block(CU, pid, num_seqs, n_search, ROWS_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
-        # Program pid's sequence b (_find_seq), its first packed token and its length, and the
-        # first row (token x ROWS_PER_TOKEN) of the program's block in the sequence (at or past
-        # the sequence's rows for a spare program, which then returns).
+    def _seq_block(CU, num_seqs, n_search, ROWS_PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
+        # This program's KV head (program_id(1)); the sequence b (_find_seq) of its block
+        # (program_id(0)), the sequence's first packed token and its length, and the first row
+        # (token x ROWS_PER_TOKEN) of the block in the sequence (at or past the sequence's rows
+        # for a spare program, which then returns).
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
         b = _find_seq(CU, pid, num_seqs, n_search, ROWS_PER_TOKEN, BLOCK)
         start = tl.load(CU + b)
         seq_len = tl.load(CU + b + 1) - start
         row0 = (pid - (start * ROWS_PER_TOKEN // BLOCK + b)) * BLOCK
-        return b, start, seq_len, row0
+        return kvh, b, start, seq_len, row0
 
     @triton.jit
     def _row_block(row0, n_rows, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -202,30 +205,19 @@ if triton is not None:
         return X + t[:, None] * stride_t + kvh * stride_h + offs_d[None, :]
 
     @triton.jit
-    def _load_kv_rows(K, V, kv_rows, kvh, msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh):
-        # The backward's K and V tiles of packed tokens kv_rows (zero where masked)
+    def _load_kv_rows(kv, kv_rows, kvh, msk, offs_d):
+        # The backward's K and V tiles of packed tokens kv_rows (zero where masked);
+        # kv = (K, V, stride_kt, stride_kh, stride_vt, stride_vh)
+        K, V, stride_kt, stride_kh, stride_vt, stride_vh = kv
         k = tl.load(_kv_ptrs(K, kv_rows, kvh, stride_kt, stride_kh, offs_d), mask=msk, other=0.0)
         v = tl.load(_kv_ptrs(V, kv_rows, kvh, stride_vt, stride_vh, offs_d), mask=msk, other=0.0)
         return k, v
 
     @triton.jit
-    def _load_q_rows(
-        Q,
-        DO,
-        LSE,
-        DELTA,
-        q_rows,
-        head,
-        row_ok,
-        r_msk,
-        offs_d,
-        stride_qt,
-        stride_qh,
-        stride_dot,
-        stride_doh,
-        stride_lt,
-    ):
-        # The backward's per-row operands of a row block: q, dO (zero where masked), lse, delta
+    def _load_q_rows(ops, q_rows, head, row_ok, r_msk, offs_d):
+        # The backward's per-row operands of a row block: q, dO (zero where masked), lse, delta;
+        # ops = (Q, DO, LSE, DELTA, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt)
+        Q, DO, LSE, DELTA, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt = ops
         q = tl.load(_row_ptrs(Q, q_rows, head, stride_qt, stride_qh, offs_d), mask=r_msk, other=0.0)
         do = tl.load(
             _row_ptrs(DO, q_rows, head, stride_dot, stride_doh, offs_d), mask=r_msk, other=0.0
@@ -237,25 +229,8 @@ if triton is not None:
     @triton.jit
     def _attend_tile(
         q,
-        K,
-        V,
-        BLOCK_TABLE,
-        b,
-        kvh,
-        q_start,
-        kv_len,
-        q_pos,
-        row_ok,
-        offs_d,
-        d_ok,
-        page_size,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        stride_bt,
+        kv,
+        blk,
         qk_scale,
         j,
         m_i,
@@ -271,6 +246,10 @@ if triton is not None:
         # for a tile every row of the block sees whole (no position past a row's own, none past
         # kv_len): it skips the masks, and for a row that sees the whole tile both variants run
         # the same operations on the same values (a masked score is -inf and adds an exact 0).
+        # kv: the keys / values and their addressing (_attention_fwd_kernel); blk: the row block.
+        K, V, BLOCK_TABLE, page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, \
+            stride_vh, stride_bt = kv  # fmt: skip
+        b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok = blk
         kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_len
         if MASKED:
@@ -314,25 +293,8 @@ if triton is not None:
     @triton.jit
     def _attend_tiles(
         q,
-        K,
-        V,
-        BLOCK_TABLE,
-        b,
-        kvh,
-        q_start,
-        kv_len,
-        q_pos,
-        row_ok,
-        offs_d,
-        d_ok,
-        page_size,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        stride_bt,
+        kv,
+        blk,
         qk_scale,
         j_begin,
         j_end,
@@ -349,17 +311,31 @@ if triton is not None:
         j_mid = tl.minimum(tl.maximum(j_full, j_begin), j_end)
         for j in range(j_begin, j_mid):
             m_i, l_i, acc = _attend_tile(
-                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
-                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, False,
-            )  # fmt: skip
+                q, kv, blk, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, False
+            )
         for j in range(j_mid, j_end):
             m_i, l_i, acc = _attend_tile(
-                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
-                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, True,
-            )  # fmt: skip
+                q, kv, blk, qk_scale, j, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL, True
+            )
         return m_i, l_i, acc
+
+    @triton.jit
+    def _row_tiles(row_ok, pos, kv_len, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        # The KV tiles of a row block whose rows sit at positions pos of kv_len: n_tiles (up to
+        # the tile of its last row's position; all of kv_len without CAUSAL), and j_full: the
+        # tiles below it every row of the block sees whole (up to its first row's position).
+        if CAUSAL:
+            hi = tl.minimum(tl.max(tl.where(row_ok, pos, 0), axis=0) + 1, kv_len)
+            j_full = (tl.min(tl.where(row_ok, pos, kv_len), axis=0) + 1) // BLOCK_N
+        else:
+            hi = kv_len
+            j_full = kv_len // BLOCK_N
+        return tl.cdiv(hi, BLOCK_N), j_full
+
+    @triton.jit
+    def _store_cast(ptrs, x, mask):
+        # x rounded once to the destination's dtype
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s):
@@ -423,9 +399,7 @@ if triton is not None:
         # own online softmax, merged in order (_merge_split); SPLIT_PROGRAM: this program
         # computes split program_id(2) only and stores its (m, l, acc) in PART_* for
         # _attention_combine_kernel, which merges them in the same order.
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b, q_start, q_len, row0 = _seq_block(CU_Q, pid, num_seqs, n_search, G, BLOCK_M)
+        kvh, b, q_start, q_len, row0 = _seq_block(CU_Q, num_seqs, n_search, G, BLOCK_M)
         if row0 >= q_len * G:
             return
         row_ok, tok, head = _row_block(row0, q_len * G, kvh, G, BLOCK_M)
@@ -437,14 +411,7 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         q_rows = (q_start + tok).to(tl.int64)
-        if CAUSAL:
-            hi = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), axis=0) + 1, kv_len)
-            # tiles every row of the block sees whole: up to its first row's position
-            j_full = (tl.min(tl.where(row_ok, q_pos, kv_len), axis=0) + 1) // BLOCK_N
-        else:
-            hi = kv_len
-            j_full = kv_len // BLOCK_N
-        n_tiles = tl.cdiv(hi, BLOCK_N)
+        n_tiles, j_full = _row_tiles(row_ok, q_pos, kv_len, BLOCK_N, CAUSAL)
         if SPLIT_PROGRAM:
             j_begin = tl.program_id(2) * SPLIT_TILES
             if j_begin >= n_tiles:
@@ -457,13 +424,14 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv = (K, V, BLOCK_TABLE, page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+              stride_vh, stride_bt)  # fmt: skip
+        blk = (b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok)
         if SPLIT_PROGRAM:
+            j_end = tl.minimum(j_begin + SPLIT_TILES, n_tiles)
             m_i, l_i, acc = _attend_tiles(
-                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
-                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, qk_scale, j_begin, tl.minimum(j_begin + SPLIT_TILES, n_tiles),
-                j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
-            )  # fmt: skip
+                q, kv, blk, qk_scale, j_begin, j_end, j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL
+            )
             split = tl.program_id(2).to(tl.int64) * stride_ps
             hrow = q_rows * stride_lt + head
             tl.store(PART_ML + split * 2 + hrow * 2, m_i, mask=row_ok)
@@ -476,21 +444,17 @@ if triton is not None:
             return
         if SPLIT_TILES == 0:
             m_i, l_i, acc = _attend_tiles(
-                q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d, d_ok,
-                page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_bt, qk_scale, 0, n_tiles, j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
-            )  # fmt: skip
+                q, kv, blk, qk_scale, 0, n_tiles, j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL
+            )
         else:
             m_t = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_t = tl.zeros([BLOCK_M], tl.float32)
             acc_t = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             for j0 in range(0, n_tiles, SPLIT_TILES):
+                j_end = tl.minimum(j0 + SPLIT_TILES, n_tiles)
                 m_s, l_s, acc_s = _attend_tiles(
-                    q, K, V, BLOCK_TABLE, b, kvh, q_start, kv_len, q_pos, row_ok, offs_d,
-                    d_ok, page_size, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                    stride_vh, stride_bt, qk_scale, j0, tl.minimum(j0 + SPLIT_TILES, n_tiles),
-                    j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL,
-                )  # fmt: skip
+                    q, kv, blk, qk_scale, j0, j_end, j_full, m_i, l_i, acc, BLOCK_N, PAGED, CAUSAL
+                )
                 m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m_s, l_s, acc_s)
             m_i, l_i, acc = m_t, l_t, acc_t
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -587,22 +551,20 @@ if triton is not None:
 
     @triton.jit
     def _dkdv_block(
-        Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d, d_ok,
-        stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
+        ops, tile, dk, dv, i, qk_scale,
         G: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
     ):  # fmt: skip
         # Row block i's share of the KV tile's dK / dV. MASKED=False: a block whose rows are all
-        # in the sequence and all at or past the tile's last position (no mask needed).
+        # in the sequence and all at or past the tile's last position (no mask needed). ops: the
+        # per-row operands (_load_q_rows); tile: the KV tile (_attention_bwd_dkdv_kernel).
+        k, v, start, kv_pos, kv_ok, kvh, n_rows, offs_d, d_ok = tile
         row_ok, tok, head = _row_block(i * BLOCK_M, n_rows, kvh, G, BLOCK_M)
         q_rows = (start + tok).to(tl.int64)
         if MASKED:
             r_msk = row_ok[:, None] & d_ok[None, :]
         else:
             r_msk = d_ok[None, :]
-        q, do, lse, delta = _load_q_rows(
-            Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
-            stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
-        )  # fmt: skip
+        q, do, lse, delta = _load_q_rows(ops, q_rows, head, row_ok, r_msk, offs_d)
         st = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_M] raw scores
         pt = tl.exp2(st * qk_scale - (lse * 1.4426950408889634)[None, :])
         if MASKED:
@@ -620,12 +582,12 @@ if triton is not None:
 
     @triton.jit
     def _dq_tile(
-        K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
-        stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-    ):  # fmt: skip
+        kv, rows, dq, j, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr
+    ):
         # KV tile j's share of the row block's dQ. MASKED=False: a tile every row of the block
-        # sees whole (padding rows, with zero q / dO, add exact zeros and are not stored).
+        # sees whole (padding rows, with zero q / dO, add exact zeros and are not stored). kv:
+        # the keys / values (_load_kv_rows); rows: the row block (_attention_bwd_dq_kernel).
+        q, do, lse2, delta, start, seq_len, kvh, row_ok, tok, offs_d, d_ok = rows
         kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < seq_len
         kv_rows = (start + kv_pos).to(tl.int64)
@@ -633,9 +595,7 @@ if triton is not None:
             t_msk = kv_ok[:, None] & d_ok[None, :]
         else:
             t_msk = d_ok[None, :]
-        kk, vv = _load_kv_rows(
-            K, V, kv_rows, kvh, t_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
-        )
+        kk, vv = _load_kv_rows(kv, kv_rows, kvh, t_msk, offs_d)
         s = tl.dot(q, tl.trans(kk), input_precision="ieee")
         p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
@@ -685,9 +645,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b, start, seq_len, n0 = _seq_block(CU, pid, num_seqs, n_search, 1, BLOCK_N)
+        kvh, b, start, seq_len, n0 = _seq_block(CU, num_seqs, n_search, 1, BLOCK_N)
         if n0 >= seq_len:
             return
         kv_pos = n0 + tl.arange(0, BLOCK_N)
@@ -697,7 +655,7 @@ if triton is not None:
         d_ok = offs_d < HEAD_DIM
         kv_msk = kv_ok[:, None] & d_ok[None, :]
         k, v = _load_kv_rows(
-            K, V, kv_rows, kvh, kv_msk, offs_d, stride_kt, stride_kh, stride_vt, stride_vh
+            (K, V, stride_kt, stride_kh, stride_vt, stride_vh), kv_rows, kvh, kv_msk, offs_d
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -713,36 +671,18 @@ if triton is not None:
             i_free = 0
         if n0 + BLOCK_N > seq_len:  # a tile past the sequence's end: masks everywhere
             i_free = i_end
+        ops = (Q, DO, LSE, DELTA, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt)
+        tile = (k, v, start, kv_pos, kv_ok, kvh, n_rows, offs_d, d_ok)
         # in order: masked blocks (diagonal), unmasked ones, masked ones (the partial last)
         for i in range(i_first, i_free):
-            dk, dv = _dkdv_block(
-                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
-                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
-                G, BLOCK_M, CAUSAL, True,
-            )  # fmt: skip
+            dk, dv = _dkdv_block(ops, tile, dk, dv, i, qk_scale, G, BLOCK_M, CAUSAL, True)
         for i in range(i_free, i_whole):
-            dk, dv = _dkdv_block(
-                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
-                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
-                G, BLOCK_M, CAUSAL, False,
-            )  # fmt: skip
+            dk, dv = _dkdv_block(ops, tile, dk, dv, i, qk_scale, G, BLOCK_M, CAUSAL, False)
         for i in range(tl.maximum(i_free, i_whole), i_end):
-            dk, dv = _dkdv_block(
-                Q, DO, LSE, DELTA, k, v, dk, dv, start, kv_pos, kv_ok, kvh, i, n_rows, offs_d,
-                d_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt, qk_scale,
-                G, BLOCK_M, CAUSAL, True,
-            )  # fmt: skip
+            dk, dv = _dkdv_block(ops, tile, dk, dv, i, qk_scale, G, BLOCK_M, CAUSAL, True)
         dk = dk * scale
-        tl.store(
-            _kv_ptrs(DK, kv_rows, kvh, stride_dkt, stride_dkh, offs_d),
-            dk.to(DK.dtype.element_ty),
-            mask=kv_msk,
-        )
-        tl.store(
-            _kv_ptrs(DV, kv_rows, kvh, stride_dvt, stride_dvh, offs_d),
-            dv.to(DV.dtype.element_ty),
-            mask=kv_msk,
-        )
+        _store_cast(_kv_ptrs(DK, kv_rows, kvh, stride_dkt, stride_dkh, offs_d), dk, kv_msk)
+        _store_cast(_kv_ptrs(DV, kv_rows, kvh, stride_dvt, stride_dvh, offs_d), dv, kv_msk)
 
     @triton.jit
     def _attention_bwd_dq_kernel(
@@ -776,9 +716,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b, start, seq_len, row0 = _seq_block(CU, pid, num_seqs, n_search, G, BLOCK_M)
+        kvh, b, start, seq_len, row0 = _seq_block(CU, num_seqs, n_search, G, BLOCK_M)
         if row0 >= seq_len * G:
             return
         row_ok, tok, head = _row_block(row0, seq_len * G, kvh, G, BLOCK_M)
@@ -786,36 +724,20 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         r_msk = row_ok[:, None] & d_ok[None, :]
-        q, do, lse, delta = _load_q_rows(
-            Q, DO, LSE, DELTA, q_rows, head, row_ok, r_msk, offs_d,
-            stride_qt, stride_qh, stride_dot, stride_doh, stride_lt,
-        )  # fmt: skip
-        if CAUSAL:
-            hi = tl.minimum(tl.max(tl.where(row_ok, tok, 0), axis=0) + 1, seq_len)
-            j_full = (tl.min(tl.where(row_ok, tok, seq_len), axis=0) + 1) // BLOCK_N
-        else:
-            hi = seq_len
-            j_full = seq_len // BLOCK_N
-        n_tiles = tl.cdiv(hi, BLOCK_N)
+        ops = (Q, DO, LSE, DELTA, stride_qt, stride_qh, stride_dot, stride_doh, stride_lt)
+        q, do, lse, delta = _load_q_rows(ops, q_rows, head, row_ok, r_msk, offs_d)
+        n_tiles, j_full = _row_tiles(row_ok, tok, seq_len, BLOCK_N, CAUSAL)
         j_full = tl.minimum(j_full, n_tiles)
         lse2 = lse * 1.4426950408889634  # base 2, as the scores
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv = (K, V, stride_kt, stride_kh, stride_vt, stride_vh)
+        rows = (q, do, lse2, delta, start, seq_len, kvh, row_ok, tok, offs_d, d_ok)
         for j in range(0, j_full):
-            dq = _dq_tile(
-                K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, BLOCK_N, CAUSAL, False,
-            )  # fmt: skip
+            dq = _dq_tile(kv, rows, dq, j, qk_scale, BLOCK_N, CAUSAL, False)
         for j in range(j_full, n_tiles):
-            dq = _dq_tile(
-                K, V, q, do, lse2, delta, dq, start, seq_len, j, kvh, row_ok, tok, offs_d, d_ok,
-                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, BLOCK_N, CAUSAL, True,
-            )  # fmt: skip
+            dq = _dq_tile(kv, rows, dq, j, qk_scale, BLOCK_N, CAUSAL, True)
         dq = dq * scale
-        tl.store(
-            _row_ptrs(DQ, q_rows, head, stride_dqt, stride_dqh, offs_d),
-            dq.to(DQ.dtype.element_ty),
-            mask=r_msk,
-        )
+        _store_cast(_row_ptrs(DQ, q_rows, head, stride_dqt, stride_dqh, offs_d), dq, r_msk)
 
     @triton.jit
     def _write_kv_cache_kernel(
@@ -1188,7 +1110,6 @@ def attention_bwd(
 
 
 PROVIDER = _tr.triton_provider(
-    op="attention",
     numerics="attention/triton",
     fn=attention,
     version="2",

@@ -1207,7 +1207,6 @@ def det_gemm_tp_subtree(
 
 
 PROVIDER = _tr.triton_provider(
-    op="det_gemm",
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
     # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096

@@ -60,7 +60,6 @@ def entropy(*args: Any) -> torch.Tensor:
 
 
 PROVIDER = _tr.triton_provider(
-    op="entropy",
     numerics=f"entropy/{NUMERICS}",
     fn=entropy,
     version="1",

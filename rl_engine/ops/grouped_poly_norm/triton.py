@@ -55,16 +55,18 @@ K_PARTS = 4  # partials per row: the three weights' and the bias'
 if triton is not None:
 
     @triton.jit
-    def _expert_params(W, B, IDS, row, E):
-        # the fp32 parameters of the row's expert (W [E, 3], B [E, 1] contiguous), as poly_norm's
-        # _params loads them; an expert id outside [0, E) loads NaN (no access out of bounds)
+    def _row_expert_params(W, B, IDS, E):
+        # this program's row and the fp32 parameters of its expert (W [E, 3], B [E, 1]
+        # contiguous), as poly_norm's _params loads them; an expert id outside [0, E) loads NaN
+        # (no access out of bounds)
+        row = tl.program_id(0).to(tl.int64)
         e = tl.load(IDS + row).to(tl.int64)
         ok = (e >= 0) & (e < E)
         w0 = tl.load(W + e * 3, mask=ok, other=float("nan")).to(tl.float32)
         w1 = tl.load(W + e * 3 + 1, mask=ok, other=float("nan")).to(tl.float32)
         w2 = tl.load(W + e * 3 + 2, mask=ok, other=float("nan")).to(tl.float32)
         b = tl.load(B + e, mask=ok, other=float("nan")).to(tl.float32)
-        return w0, w1, w2, b
+        return row, w0, w1, w2, b
 
     @triton.jit
     def _grouped_poly_norm_fwd_kernel(
@@ -85,8 +87,7 @@ if triton is not None:
         LOG_BLOCK: tl.constexpr,
         UNROLL: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        w0, w1, w2, b = _expert_params(W, B, IDS, row, E)
+        row, w0, w1, w2, b = _row_expert_params(W, B, IDS, E)
         _fwd_row(X + row * stride_x, MUL + row * stride_m, Y + row * stride_y, w0, w1, w2, b,
                  H, h_f, eps, True, BLOCK, LOG_BLOCK, UNROLL)  # fmt: skip
 
@@ -115,8 +116,7 @@ if triton is not None:
         LOG_BLOCK: tl.constexpr,
         UNROLL: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        w0, w1, w2, b = _expert_params(W, B, IDS, row, E)
+        row, w0, w1, w2, b = _row_expert_params(W, B, IDS, E)
         part = PART + tl.load(POS + row).to(tl.int64) * 4  # the row's place among its expert's
         _bwd_row(G + row * stride_g, X + row * stride_x, MUL + row * stride_m,
                  DX + row * stride_dx, DMUL + row * stride_dm, part, w0, w1, w2, b, H, h_f,
@@ -231,7 +231,6 @@ def grouped_poly_norm_backward(
 
 
 PROVIDER = _tr.triton_provider(
-    op="grouped_poly_norm",
     numerics=f"grouped_poly_norm/triton-b{pn.LANES}",
     fn=grouped_poly_norm,
     version=f"1.{pn.PROVIDER.version}",

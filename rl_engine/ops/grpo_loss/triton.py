@@ -452,9 +452,5 @@ def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
 
 
 PROVIDER = _tr.triton_provider(
-    op="grpo_loss",
-    numerics="grpo_loss/triton",
-    fn=grpo_loss,
-    version="1",
-    extras={"backward": grpo_loss_backward},
+    numerics="grpo_loss/triton", fn=grpo_loss, version="1", extras={"backward": grpo_loss_backward}
 )

@@ -245,7 +245,6 @@ def _available(device: str, *, triton_interpret: bool) -> str | None:
 
 
 PROVIDER = _tr.triton_provider(
-    op="linear_logp",
     numerics=NUMERICS,
     fn=linear_logp,
     # 2: dhidden over DH_CHUNK vocabulary chunks and dweight over WGRAD_CHUNK token chunks, for

@@ -72,13 +72,8 @@ _NUM_WARPS = 4
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tree_sum_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-        """Row sums of a [ROWS, N] tile: halving tree (first half + second half, repeated)."""
-        for i in tl.static_range(LOG_N):
-            x = tl.sum(tl.reshape(x, (ROWS, 2, N >> (i + 1))), axis=1)
-        return tl.sum(x, axis=1)
+    # Row sums of a [ROWS, N] tile: halving tree (first half + second half, repeated)
+    from rl_engine.ops.ratio_kl.triton import _tree_sum_rows
 
     @triton.jit
     def _vocab_partial_kernel(
@@ -503,7 +498,6 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE
 
 PROVIDER = _tr.triton_provider(
-    op="logp",
     numerics=f"logp/{NUMERICS}",
     fn=logp,
     version="1",

@@ -102,7 +102,6 @@ def moe_combine(*args: Any) -> torch.Tensor:
 
 
 PROVIDER = _tr.triton_provider(
-    op="moe_combine",
     numerics="moe_combine/native",
     fn=moe_combine,
     version="1",

@@ -188,7 +188,6 @@ def moe_topk(
 
 
 PROVIDER = _tr.triton_provider(
-    op="moe_router",
     numerics="moe_router/native",
     fn=moe_topk,
     version="1",

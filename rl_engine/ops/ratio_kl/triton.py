@@ -534,9 +534,5 @@ def ratio_kl_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 PROVIDER = _tr.triton_provider(
-    op="ratio_kl",
-    numerics="ratio_kl/triton",
-    fn=ratio_kl,
-    version="1",
-    extras={"backward": ratio_kl_backward},
+    numerics="ratio_kl/triton", fn=ratio_kl, version="1", extras={"backward": ratio_kl_backward}
 )
