@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One 2-GPU (or larger) H100 / H200 lease, after the payload copies (PLATFORMS.md, "GPU vLLM on
+# the device"; the last call carries .vllm_gpu/3 .whl, and .whl_trl build/csrc for PHASE=extra).
+# One call per phase, each under 10 minutes, in this order:
+#
+#   PHASE=checks  installs vLLM / megatron-core (once per lease), then vLLM TP 2 of the
+#                 Qwen3-MoE-shaped model with TP-sharded experts (no expert parallelism) and an
+#                 EP 2 variant == TP 1 == the HF trainer, with the stock control (issue 43).
+#   PHASE=bench   the TP 2 rollout benchmark ALONE on GPUs 0-1 (Llama-3-8B widths, stock vs
+#                 plugin vs plugin + one-shot exchange, 3 alternating rounds; issue 44).
+#   PHASE=extra   TRL's GRPOTrainer with colocated vLLM on GPU 0 (issue 46) beside the CUDA C++
+#                 det_gemm tests + benchmark vs cuBLAS on GPU 1 (issue 47).
+#   PHASE=kernels the MoE / poly_norm GPU op tests (every component required) on GPU 0 beside the
+#                 MoE layer benchmark vs vLLM's fused_moe and the experts tile sweep on GPU 1.
+#
+# Logs and JSON under $OUT; a short table last. T_JOB: seconds per job (default 540).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/_vllm_site.sh
+. scripts/_vllm_site.sh
+export PYTHONPATH="$ROOT:/tmp/vllm_site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+names=()
+job() {  # job NAME SECONDS GPUS CMD...: in the background, its log $OUT/NAME.log
+  local name=$1 seconds=$2 gpus=$3
+  shift 3
+  names+=("$name")
+  (CUDA_VISIBLE_DEVICES=$gpus timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1; echo $? > "$OUT/$name.rc") &
+}
+MOE_MODEL=/tmp/ep_qwen3_moe
+make_moe_model() {
+  [ -f $MOE_MODEL/config.json ] || $PY -c "from rl_engine.testing.tiny_models import make_tiny_model as m; m('$MOE_MODEL', arch='qwen3_moe', dtype='bfloat16', seed=0, initializer_range=0.02, num_hidden_layers=4, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, vocab_size=32768, max_position_embeddings=2048)"
+}
+
+install() {
+  vllm_site_install || exit 3
+  if [ ! -f /tmp/site/.rl_engine_ok ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.rl_engine_ok
+  fi
+}
+T=${T_JOB:-540}
+case ${PHASE:-checks} in
+  checks)
+    install
+    make_moe_model || exit 2
+    job vllm_etp2 "$T" 0,1 $PY -m rl_engine.harness.vllm_tp_check --model $MOE_MODEL --tp 2 \
+      --control --variant ep2:enable_expert_parallel=True --json "$OUT/vllm_etp2.json"
+    ;;
+  bench)
+    install
+    job rollout_tp2 "$T" 0,1 $PY benchmarks/bench_rollout.py --model llama8b_width --tp 2 \
+      --configs stock,rl_engine,rl_engine_oneshot --sizes 256 --new-tokens 256 --repeats 2 \
+      --rounds 3 --out "$OUT/bench"
+    ;;
+  extra)
+    job trl "$T" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
+    job csrc "$T" 1 env OUT="$OUT/csrc" bash scripts/gpu_csrc.sh
+    ;;
+  kernels)
+    install
+    job gpu_ops "$T" 0 $PY -m pytest -q -p no:logging --require vllm,megatron \
+      tests/ops/test_moe_experts_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py \
+      tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_grouped_poly_norm_triton.py \
+      tests/ops/test_poly_norm.py --junitxml "$OUT/gpu_ops.xml"
+    job moe_bench "$T" 1 bash -c "$PY benchmarks/bench_moe.py --out '$OUT/bench' && $PY benchmarks/sweep_moe_experts.py --out '$OUT/bench'"
+    ;;
+  *) echo "PHASE=checks, bench, extra or kernels"; exit 2 ;;
+esac
+wait
+for n in "${names[@]}"; do
+  echo "== $n"
+  grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[W\|UserWarning\|warnings.warn" "$OUT/$n.log" | tail -12
+done
+echo
+status=0
+for n in "${names[@]}"; do
+  r=$(cat "$OUT/$n.rc" 2>/dev/null || echo "?")
+  printf '%-14s exit %s\n' "$n" "$r"
+  [ "$r" = 0 ] || status=1
+done
+exit $status
