@@ -134,17 +134,38 @@ def register_op(
         )
 
 
-def _with_return(fn: Any, annotation: Any) -> Any:
-    """``fn``'s signature with another return annotation (for schema inference only)."""
+def _schema_stub(fn: Any, *, drop_first: bool, returns: bool, placeholders: tuple[str, ...]) -> Any:
+    """A stub with ``fn``'s signature for schema inference only: less its first parameter
+    (``drop_first``: a ``call``'s provider), no defaults (the op takes every argument
+    positionally; the entry resolves the defaults), a ``Tensor`` return (``returns``: the op
+    states its own) and ``Tensor`` for the ``placeholders`` (arguments whose schema text the op
+    states itself)."""
     import inspect
 
     sig = inspect.signature(fn, eval_str=True)
+    params = list(sig.parameters.values())[1 if drop_first else 0 :]
+    params = [
+        p.replace(
+            default=inspect.Parameter.empty,
+            annotation=torch.Tensor if p.name in placeholders else p.annotation,
+        )
+        for p in params
+    ]
+    ret = torch.Tensor if returns else sig.return_annotation
 
     def stub(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    stub.__signature__ = sig.replace(return_annotation=annotation)  # type: ignore[attr-defined]
+    stub.__signature__ = sig.replace(parameters=params, return_annotation=ret)  # type: ignore[attr-defined]
     return stub
+
+
+def contiguous_outputs(out: Any) -> Any:
+    """``out`` (a tensor or a tuple of them) with every tensor contiguous, as a fake's
+    ``torch.empty`` outputs are (a provider may return a strided result)."""
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    return tuple(o.contiguous() for o in out)
 
 
 def provider_op(
@@ -154,32 +175,55 @@ def provider_op(
     fake: Any,
     extra: str | None = None,
     *,
+    call: Any = None,
+    contiguous: bool = False,
     mutates_args: tuple[str, ...] = (),
     returns: str | None = None,
     arg_types: dict[str, str] | None = None,
 ) -> Any:
-    """The custom op ``rl_engine::<name>`` of ``op``'s providers, in one place for every op.
+    """The custom op ``rl_engine::<name>`` of ``op``'s providers: the one way every op (but
+    ``det_gemm.tp``'s, see docs/where-things-live.md) defines its custom ops.
 
     Its schema is ``spec``'s signature (the reference function whose arguments every provider
     of ``op`` takes, in order) plus a last ``provider: str``; its body runs that provider's
     ``fn`` (``extra=None``) or ``extras[extra]`` with the other arguments, and ``fake`` (the same
     arguments, no provider) gives torch.compile the outputs' metadata. What is particular to
     an op (which tensors its autograd saves, how its entry checks and normalises arguments)
-    stays in the op's package. ``returns``: the schema's return type where ``spec``'s
-    annotation cannot say it (a variable-length tuple); ``arg_types``: an argument's schema
-    type where the op's is narrower than the spec's (``{"scale": "float"}``: the reference also
-    takes ``None``, the op gets the value the entry resolved)."""
+    stays in the op's package.
+
+    Args:
+        call: the body, where the op does more than pass its arguments on (another order, a
+            switch between the provider's functions, outputs fixed up): ``call(p, *args)``
+            with ``p`` the :class:`~rl_engine.registry.Provider` and ``args`` the op's
+            arguments; it picks the provider's function itself (``extra`` stays None). With
+            ``spec=None`` the schema is ``call``'s signature less ``p``.
+        contiguous: the outputs made contiguous (:func:`contiguous_outputs`).
+        mutates_args: the arguments the op writes; such an op returns nothing (what the
+            provider returns is dropped).
+        returns: the schema's return type where the annotation cannot say it (a
+            variable-length tuple).
+        arg_types: an argument's schema type where the op's is narrower than the spec's
+            (``{"scale": "float"}``: the reference also takes ``None``, the op gets the value
+            the entry resolved), or, given as ``"type name, ..."``, the arguments the op takes
+            in its place (a value no schema type carries, sent as scalars that ``call`` turns
+            back: ``rope``'s scaling dict).
+    """
     from rl_engine.registry import KernelRegistry
 
-    if returns is not None:  # infer the arguments only
-        spec = _with_return(spec, torch.Tensor)
-    schema = torch.library.infer_schema(spec, mutates_args=mutates_args)
-    args, ret = schema.rsplit(") -> ", 1)
+    if call is not None and extra is not None:
+        raise ValueError(f"provider_op {name}: call picks the provider's function; no extra")
+    arg_types = arg_types or {}
+    stub = _schema_stub(
+        call if spec is None else spec,
+        drop_first=spec is None,
+        returns=returns is not None,
+        placeholders=tuple(arg_types),
+    )
+    args, ret = torch.library.infer_schema(stub, mutates_args=mutates_args).rsplit(") -> ", 1)
     ret = returns or ret
-    # the op takes every argument positionally (the entry resolves the defaults)
-    args = re.sub(r"=[^,]+(?=,|$)", "", args)
-    for arg, typ in (arg_types or {}).items():
-        args, n = re.subn(rf"[^ ,(]+ {arg}(?=,|$)", f"{typ} {arg}", args)
+    for arg, typ in arg_types.items():
+        text = typ if " " in typ else f"{typ} {arg}"
+        args, n = re.subn(rf"Tensor {arg}(?=,|$)", text, args)
         if n != 1:
             raise ValueError(f"provider_op {name}: no argument {arg!r} in {args})")
     schema = f"{args}, str provider) -> {ret}"
@@ -189,8 +233,13 @@ def provider_op(
     def body(*args: Any) -> Any:
         *rest, provider = args
         p = KernelRegistry.provider(op, provider)
-        out = (p.fn if extra is None else p.extras[extra])(*rest)
-        return None if returns_nothing else out
+        if call is not None:
+            out = call(p, *rest)
+        else:
+            out = (p.fn if extra is None else p.extras[extra])(*rest)
+        if returns_nothing:
+            return None
+        return contiguous_outputs(out) if contiguous else out
 
     body.__name__ = body.__qualname__ = f"{name}_op"
     custom = torch.library.custom_op(

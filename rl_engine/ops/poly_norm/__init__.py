@@ -13,54 +13,51 @@ from __future__ import annotations
 import torch
 
 from rl_engine.ops import _dtensor
-from rl_engine.ops._common import check_tensor, register_op, register_triton
+from rl_engine.ops._common import check_tensor, provider_op, register_op, register_triton
 from rl_engine.ops.poly_norm import reference
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import Provider, resolve_provider
 
 __all__ = ["fused_mul_poly_norm", "poly_norm"]
 
 _OP = "poly_norm"
 
 
-@torch.library.custom_op("rl_engine::poly_norm", mutates_args=())
-def _poly_norm_op(
+# The ops' bodies (provider_op's ``call``): one op for both forms, the provider's ``fn`` or its
+# ``fused_mul``; the backward takes ``mul`` last, optional, and ``dmul`` comes back empty
+# without it.
+def _forward(
+    p: Provider,
     x: torch.Tensor,
     mul: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
-    provider: str,
 ) -> torch.Tensor:
-    prov = KernelRegistry.provider(_OP, provider)
     if mul is None:
-        return prov.fn(x, weight, bias, eps).contiguous()
-    return prov.extras["fused_mul"](x, mul, weight, bias, eps).contiguous()
+        return p.fn(x, weight, bias, eps)
+    return p.extras["fused_mul"](x, mul, weight, bias, eps)
 
 
-@_poly_norm_op.register_fake
-def _(x, mul, weight, bias, eps, provider):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("rl_engine::poly_norm_backward", mutates_args=())
-def _poly_norm_backward_op(
+def _backward_call(
+    p: Provider,
     grad: torch.Tensor,
     x: torch.Tensor,
     mul: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
-    provider: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    backward = KernelRegistry.provider(_OP, provider).extras["backward"]
-    dx, dmul, dw, db = backward(grad, x, weight, bias, eps, mul)
+    dx, dmul, dw, db = p.extras["backward"](grad, x, weight, bias, eps, mul)
     if dmul is None:
         dmul = x.new_empty(0)
     return dx.contiguous(), dmul.contiguous(), dw.clone(), db.clone()  # (views of one sum)
 
 
-@_poly_norm_backward_op.register_fake
-def _(grad, x, mul, weight, bias, eps, provider):
+def _fake(x, mul, weight, bias, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _backward_fake(grad, x, mul, weight, bias, eps):
     dmul_shape = x.shape if mul is not None else (0,)
     f32 = torch.float32
     return (
@@ -69,6 +66,12 @@ def _(grad, x, mul, weight, bias, eps, provider):
         torch.empty((reference.ORDER,), dtype=f32, device=x.device),
         torch.empty((1,), dtype=f32, device=x.device),
     )
+
+
+_poly_norm_op = provider_op(_OP, "poly_norm", None, _fake, call=_forward, contiguous=True)
+_poly_norm_backward_op = provider_op(
+    _OP, "poly_norm_backward", None, _backward_fake, call=_backward_call
+)
 
 
 def _setup_context(ctx, inputs, output):

@@ -22,118 +22,119 @@ or ``rms_norm_wgrad``. The provider promises equal bits either way (tested).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.ops import _dtensor
-from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.rms_norm import reference, stock
 from rl_engine.registry import KernelRegistry, Provider, resolve_provider
 
 __all__ = ["rms_norm"]
 
+_OP = "rms_norm"
+
 
 def _prov(name: str) -> Provider:
-    return KernelRegistry.provider("rms_norm", name)
+    return KernelRegistry.provider(_OP, name)
 
 
-@torch.library.custom_op("rl_engine::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, provider: str) -> torch.Tensor:
-    return _prov(provider).fn(x, weight, eps).contiguous()
+# The ops' bodies (provider_op's ``call``; the eager path below calls them directly, _direct):
+# the providers' functions take the residual and the second gradient last, optional, and have
+# the fused backward only where they say so.
+def _norm(p: Provider, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return p.fn(x, weight, eps).contiguous()
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps, provider):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("rl_engine::fused_add_rms_norm", mutates_args=())
-def _fused_add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, provider: str
+def _add_norm(
+    p: Provider, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, s = _prov(provider).fn(x, weight, eps, residual)
+    y, s = p.fn(x, weight, eps, residual)
     return y.contiguous(), s.contiguous()
 
 
-@_fused_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, provider):
-    return (
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-    )
-
-
-@torch.library.custom_op("rl_engine::rms_norm_dx", mutates_args=())
-def _rms_norm_dx_op(
-    grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, provider: str
+def _dx(
+    p: Provider, grad: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    return _prov(provider).extras["dx"](grad, r, weight, eps).contiguous()
+    return p.extras["dx"](grad, r, weight, eps).contiguous()
 
 
-@_rms_norm_dx_op.register_fake
-def _(grad, r, weight, eps, provider):
-    return torch.empty(r.shape, dtype=r.dtype, device=r.device)
+def _wgrad(p: Provider, grad: torch.Tensor, r: torch.Tensor, eps: float) -> torch.Tensor:
+    return p.extras["wgrad"](grad, r, eps)
 
 
-@torch.library.custom_op("rl_engine::rms_norm_wgrad", mutates_args=())
-def _rms_norm_wgrad_op(
-    grad: torch.Tensor, r: torch.Tensor, eps: float, provider: str
-) -> torch.Tensor:
-    return _prov(provider).extras["wgrad"](grad, r, eps)
-
-
-@_rms_norm_wgrad_op.register_fake
-def _(grad, r, eps, provider):
-    return torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device)
-
-
-@torch.library.custom_op("rl_engine::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
+def _dx_and_wgrad(
+    p: Provider,
     grad: torch.Tensor,
     r: torch.Tensor,
     weight: torch.Tensor,
     grad_sum: torch.Tensor | None,
     eps: float,
-    provider: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    prov = _prov(provider)
-    if "backward" not in prov.extras:
+    if "backward" not in p.extras:
         raise NotImplementedError(
-            f"rms_norm: provider {provider!r} has no fused backward; use rms_norm_dx and "
+            f"rms_norm: provider {p.name!r} has no fused backward; use rms_norm_dx and "
             "rms_norm_wgrad"
         )
-    dx, dw = prov.extras["backward"](grad, r, weight, eps, grad_sum)
+    dx, dw = p.extras["backward"](grad, r, weight, eps, grad_sum)
     return dx.contiguous(), dw
 
 
-@_rms_norm_backward_op.register_fake
-def _(grad, r, weight, grad_sum, eps, provider):
-    return (
-        torch.empty(r.shape, dtype=r.dtype, device=r.device),
-        torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device),
-    )
+def _like_x(x, *args):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _like_r(grad, r, *args):
+    return torch.empty(r.shape, dtype=r.dtype, device=r.device)
+
+
+def _wgrad_like(grad, r, *args):
+    return torch.empty((r.shape[-1],), dtype=torch.float32, device=r.device)
+
+
+def _add_norm_fake(x, *args):
+    return _like_x(x), _like_x(x)
+
+
+def _backward_fake(grad, r, *args):
+    return _like_r(grad, r), _wgrad_like(grad, r)
+
+
+_rms_norm_op = provider_op(_OP, "rms_norm", None, _like_x, call=_norm)
+_fused_add_rms_norm_op = provider_op(
+    _OP, "fused_add_rms_norm", None, _add_norm_fake, call=_add_norm
+)
+_rms_norm_dx_op = provider_op(_OP, "rms_norm_dx", None, _like_r, call=_dx)
+_rms_norm_wgrad_op = provider_op(_OP, "rms_norm_wgrad", None, _wgrad_like, call=_wgrad)
+_rms_norm_backward_op = provider_op(
+    _OP, "rms_norm_backward", None, _backward_fake, call=_dx_and_wgrad
+)
 
 
 def _has_fused_backward(provider: str) -> bool:
     return "backward" in _prov(provider).extras
 
 
+def _direct(call: Any) -> Any:
+    """An op's body called directly, with the op's arguments (the provider's name last)."""
+
+    def run(*args: Any) -> Any:
+        return call(_prov(args[-1]), *args[:-1])
+
+    return run
+
+
 # The backward ops, as custom ops (traced by torch.compile) or as direct provider calls (eager:
 # the same functions without the custom-op dispatch; see _RmsNormFn). Equal bits either way.
-def _direct_dx(grad, r, weight, eps, provider):
-    return _prov(provider).extras["dx"](grad, r, weight, eps).contiguous()
-
-
-def _direct_wgrad(grad, r, eps, provider):
-    return _prov(provider).extras["wgrad"](grad, r, eps)
-
-
-def _direct_backward(grad, r, weight, grad_sum, eps, provider):
-    dx, dw = _prov(provider).extras["backward"](grad, r, weight, eps, grad_sum)
-    return dx.contiguous(), dw
-
-
 _OPS = (_rms_norm_dx_op, _rms_norm_wgrad_op, _rms_norm_backward_op)
-_DIRECT = (_direct_dx, _direct_wgrad, _direct_backward)
+_DIRECT = (_direct(_dx), _direct(_wgrad), _direct(_dx_and_wgrad))
 
 
 def _setup_context(ctx, inputs, output):
@@ -212,7 +213,7 @@ class _RmsNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, provider):
-        y = _prov(provider).fn(x, weight, eps).contiguous()
+        y = _norm(_prov(provider), x, weight, eps)
         _setup_context(ctx, (x, weight, eps, provider), y)
         return y
 
@@ -226,8 +227,7 @@ class _FusedAddRmsNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, provider):
-        y, s = _prov(provider).fn(x, weight, eps, residual)
-        y, s = y.contiguous(), s.contiguous()
+        y, s = _add_norm(_prov(provider), x, residual, weight, eps)
         _fused_setup_context(ctx, (x, residual, weight, eps, provider), (y, s))
         return y, s
 
@@ -275,12 +275,12 @@ def rms_norm(
         See :func:`rl_engine.ops.rms_norm.reference.rms_norm` for the contract.
     """
     check_tensor("x", x)  # the full check runs once, in _run
-    provider = resolve_provider("rms_norm", x.device.type, backend)
+    provider = resolve_provider(_OP, x.device.type, backend)
     return _run(x, weight, eps, residual, provider)
 
 
 register_op(
-    "rms_norm",
+    _OP,
     entry=registry_entry(rms_norm, _run),
     native=(
         "rms_norm/native-tree",

@@ -18,83 +18,76 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.rope import reference, stock
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import Provider, resolve_provider
 
 __all__ = ["rope", "rope_qk"]
 
 
-# After the rotated tensors and ``positions``, every rope op takes these (the scaling dict as its
-# canonical scalars, see :func:`reference.canonical_scaling`) and the provider name.
-_PARAMS = (
-    "float theta, SymInt rotary_dim, bool is_neox, str rope_type, float factor, "
-    "float low_freq_factor, float high_freq_factor, SymInt original_max_position_embeddings, "
-    "str provider"
+_OP = "rope"
+
+# The scaling dict travels as its canonical scalars (:func:`reference.canonical_scaling`), last
+# before the provider name; the ops' bodies rebuild the dict for the providers.
+_SCALING = (
+    "str rope_type, float factor, float low_freq_factor, float high_freq_factor, "
+    "SymInt original_max_position_embeddings"
 )
-_N_PARAMS = len(_PARAMS.split(","))
+_N_SCALING = len(_SCALING.split(","))
+_ARG_TYPES = {"rotary_dim": "SymInt", "scaling": _SCALING}
 
 
-def _rope_custom_op(
-    name: str, tensors: tuple[str, ...], extra: str | None, backward: Any = None
-) -> Any:
-    """The custom op ``rl_engine::<name>(Tensor <tensors>..., Tensor positions, <_PARAMS>)``.
+def _op(name: str, spec: Any, extra: str | None, n: int, backward: Any = None) -> Any:
+    """The custom op ``rl_engine::<name>`` (:func:`provider_op`) of ``spec``, a reference function
+    of ``n`` rotated tensors, ``positions`` and the parameters (the scaling dict as its scalars).
 
-    Its body runs the provider's ``fn`` (``extra=None``) or ``extras[extra]`` on the tensors,
-    with the scaling dict rebuilt from its scalars, and returns the rotated tensors contiguous
-    (one tensor, or a tuple of them); the fake gives outputs shaped like the inputs. With
-    ``backward`` (the op of the inverse rotation, same arguments), the op is differentiable in
-    its tensors: their gradients are ``backward`` of the incoming ones in the input dtype
-    (``positions`` and the scalars get none).
+    Its body runs the provider's ``fn`` (``extra=None``) or ``extras[extra]`` with the scaling
+    dict rebuilt and returns the rotated tensors contiguous (one tensor, or a tuple of them); the
+    fake gives outputs shaped like the inputs. With ``backward`` (the op of the inverse rotation,
+    same arguments), the op is differentiable in its tensors: their gradients are ``backward`` of
+    the incoming ones in the input dtype (``positions`` and the scalars get none).
     """
-    n = len(tensors)
-    tensor_args = "".join(f"Tensor {t}, " for t in tensors)
-    ret = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
 
-    def body(*args):
-        *ts, positions, theta, rotary_dim, is_neox = args[: n + 4]
-        canon, provider = args[n + 4 : -1], args[-1]
-        prov = KernelRegistry.provider("rope", provider)
-        fn = prov.fn if extra is None else prov.extras[extra]
-        out = fn(*ts, positions, theta, rotary_dim, is_neox, reference.scaling_dict(canon))
-        return out.contiguous() if n == 1 else tuple(o.contiguous() for o in out)
+    def call(p: Provider, *args: Any) -> Any:
+        fn = p.fn if extra is None else p.extras[extra]
+        return fn(*args[:-_N_SCALING], reference.scaling_dict(args[-_N_SCALING:]))
 
-    body.__name__ = body.__qualname__ = f"_{name}_op"
-    op = torch.library.custom_op(
-        f"rl_engine::{name}",
-        body,
-        mutates_args=(),
-        schema=f"({tensor_args}Tensor positions, {_PARAMS}) -> {ret}",
-    )
-
-    @op.register_fake
-    def _(*args):
+    def fake(*args: Any) -> Any:
         outs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in args[:n])
         return outs[0] if n == 1 else outs
 
-    if backward is not None:
+    op = provider_op(_OP, name, spec, fake, call=call, contiguous=True, arg_types=_ARG_TYPES)
+    if backward is None:
+        return op
+    n_params = 3 + _N_SCALING + 1  # theta, rotary_dim, is_neox, the scaling, the provider
 
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[n])  # positions
-            ctx.params = inputs[n + 1 :]
-            ctx.dtype = inputs[0].dtype
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[n])  # positions
+        ctx.params = inputs[n + 1 :]
+        ctx.dtype = inputs[0].dtype
 
-        def grad_fn(ctx, *grads):
-            # (autograd materialises the gradient of an unused output as zeros)
-            (positions,) = ctx.saved_tensors
-            if not any(ctx.needs_input_grad[:n]):
-                return (None,) * (n + 1 + _N_PARAMS)
-            d = backward(*(g.to(ctx.dtype) for g in grads), positions, *ctx.params)
-            return ((d,) if n == 1 else tuple(d)) + (None,) * (1 + _N_PARAMS)
+    def grad_fn(ctx, *grads):
+        # (autograd materialises the gradient of an unused output as zeros)
+        (positions,) = ctx.saved_tensors
+        if not any(ctx.needs_input_grad[:n]):
+            return (None,) * (n + 1 + n_params)
+        d = backward(*(g.to(ctx.dtype) for g in grads), positions, *ctx.params)
+        return ((d,) if n == 1 else tuple(d)) + (None,) * (1 + n_params)
 
-        op.register_autograd(grad_fn, setup_context=setup_context)
+    op.register_autograd(grad_fn, setup_context=setup_context)
     return op
 
 
-_rope_backward_op = _rope_custom_op("rope_backward", ("grad",), "backward")
-_rope_op = _rope_custom_op("rope", ("x",), None, _rope_backward_op)
-_rope_qk_backward_op = _rope_custom_op("rope_qk_backward", ("grad_q", "grad_k"), "qk_backward")
-_rope_qk_op = _rope_custom_op("rope_qk", ("q", "k"), "qk", _rope_qk_backward_op)
+_rope_backward_op = _op("rope_backward", reference.rope_backward, "backward", 1)
+_rope_op = _op("rope", reference.rope, None, 1, _rope_backward_op)
+_rope_qk_backward_op = _op("rope_qk_backward", reference.rope_qk_backward, "qk_backward", 2)
+_rope_qk_op = _op("rope_qk", reference.rope_qk, "qk", 2, _rope_qk_backward_op)
 
 
 def rope_qk(
@@ -128,7 +121,7 @@ def rope_qk(
     """
     check_tensor("q", q)
     check_tensor("k", k)
-    provider = resolve_provider("rope", q.device.type, backend)
+    provider = resolve_provider(_OP, q.device.type, backend)
     rotary_dim, canon = reference._check(q, positions, theta, rotary_dim, is_neox, scaling)
     if k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
         raise ValueError(
@@ -168,7 +161,7 @@ def rope(
         [T, heads, head_dim] in ``x.dtype``. See :func:`rl_engine.ops.rope.reference.rope`.
     """
     check_tensor("x", x)  # the full check runs once, in _run
-    provider = resolve_provider("rope", x.device.type, backend)
+    provider = resolve_provider(_OP, x.device.type, backend)
     return _run(x, positions, theta, rotary_dim, is_neox, scaling, provider)
 
 
@@ -180,7 +173,7 @@ def _run(x, positions, theta, rotary_dim, is_neox, scaling, provider: str) -> to
 
 
 register_op(
-    "rope",
+    _OP,
     entry=registry_entry(rope, _run),
     native=(
         "rope/native-f64table",
@@ -197,7 +190,7 @@ register_op(
         {
             "backward": stock.rope_backward,
             "qk": reference.on_q_and_k(stock.rope),
-            "qk_backward": reference.on_q_and_k(stock.rope_backward),
+            "qk_backward": reference.on_q_and_k(stock.rope_backward, ("grad_q", "grad_k")),
         },
     ),
 )

@@ -279,12 +279,15 @@ def rope_backward(*args: Any) -> torch.Tensor:
     return _rope(*args, inverse=True)
 
 
-def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def on_q_and_k(
+    fn: Callable[..., torch.Tensor], names: tuple[str, str] = ("q", "k")
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The two-tensor form of a one-tensor ``rope`` function: ``(fn(q, ...), fn(k, ...))`` with
     the same positions and parameters (the spec of the fused ``rope_qk``); its signature is
-    ``fn``'s with ``q, k`` for the one tensor (what a provider's ``rope_qk`` takes)."""
+    ``fn``'s with ``names`` for the one tensor (what a provider's ``rope_qk`` takes; its
+    ``rope_qk_backward`` takes ``grad_q, grad_k``)."""
 
-    @signature_of(fn, "q", "k", replaces=1)
+    @signature_of(fn, *names, replaces=1)
     def both(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, *params = args
         return fn(q, *params), fn(k, *params)
@@ -295,4 +298,4 @@ def on_q_and_k(fn: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Ten
 
 
 rope_qk = on_q_and_k(rope)
-rope_qk_backward = on_q_and_k(rope_backward)
+rope_qk_backward = on_q_and_k(rope_backward, ("grad_q", "grad_k"))

@@ -8,36 +8,38 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_tensor, register_op, register_triton, registry_entry
+from rl_engine.ops._common import (
+    check_tensor,
+    provider_op,
+    register_op,
+    register_triton,
+    registry_entry,
+)
 from rl_engine.ops.silu_and_mul import reference, stock
-from rl_engine.registry import KernelRegistry, resolve_provider
+from rl_engine.registry import resolve_provider
 
 __all__ = ["silu_and_mul"]
 
-
-def _out_shape(x: torch.Tensor) -> tuple[int, ...]:
-    return (*x.shape[:-1], x.shape[-1] // 2)
+_OP = "silu_and_mul"
 
 
-@torch.library.custom_op("rl_engine::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: torch.Tensor, provider: str) -> torch.Tensor:
-    return KernelRegistry.provider("silu_and_mul", provider).fn(x).contiguous()
+def _fake(x):
+    return torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
 
 
-@_silu_and_mul_op.register_fake
-def _(x, provider):
-    return torch.empty(_out_shape(x), dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("rl_engine::silu_and_mul_backward", mutates_args=())
-def _silu_and_mul_backward_op(grad: torch.Tensor, x: torch.Tensor, provider: str) -> torch.Tensor:
-    prov = KernelRegistry.provider("silu_and_mul", provider)
-    return prov.extras["backward"](grad, x).contiguous()
-
-
-@_silu_and_mul_backward_op.register_fake
-def _(grad, x, provider):
+def _backward_fake(grad, x):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_silu_and_mul_op = provider_op(_OP, _OP, reference.silu_and_mul, _fake, contiguous=True)
+_silu_and_mul_backward_op = provider_op(
+    _OP,
+    "silu_and_mul_backward",
+    reference.silu_and_mul_backward,
+    _backward_fake,
+    "backward",
+    contiguous=True,
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -71,12 +73,12 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
         [..., D] in ``x.dtype``. See :func:`rl_engine.ops.silu_and_mul.reference.silu_and_mul`.
     """
     check_tensor("x", x)  # the full check runs once, in _run
-    provider = resolve_provider("silu_and_mul", x.device.type, backend)
+    provider = resolve_provider(_OP, x.device.type, backend)
     return _run(x, provider)
 
 
 register_op(
-    "silu_and_mul",
+    _OP,
     entry=registry_entry(silu_and_mul, _run),
     native=(
         "silu_and_mul/native-f64",
