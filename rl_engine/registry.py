@@ -76,6 +76,7 @@ _OP_MODULES: dict[str, str] = {
     "attention": "rl_engine.ops.attention",
     "moe_router": "rl_engine.ops.moe_router",
     "moe_experts": "rl_engine.ops.moe_experts",
+    "moe_experts_tp": "rl_engine.ops.moe_experts.tp",
     "moe_combine": "rl_engine.ops.moe_combine",
     "grouped_poly_norm": "rl_engine.ops.grouped_poly_norm",
 }

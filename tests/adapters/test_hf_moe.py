@@ -282,16 +282,19 @@ def test_unsupported_moe_configs(ckpts, tmp_path, monkeypatch):
         ha.patch_model(model)
     model.model.layers[1].mlp.experts.has_bias = False
     ha.patch_model(model)
-    # the TP-invariant reduction of the dense layers leaves the routed experts' plain det_gemm
-    # alone (an expert is never K-sharded: expert parallelism spreads whole experts)
+    # with the TP-invariant reduction on, the experts run its grouped form (the bits of a
+    # rollout whose experts are TP-sharded); off, the plain one
     ids = torch.randint(0, tc.VOCAB, (1, 5))
-    plain = ha.token_logprobs(model, ids)
     calls = []
     real = hp.ops.moe_experts
-    monkeypatch.setattr(hp.ops, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(hp.ops, "moe_experts",
+                        lambda *a, **k: calls.append(k.get("groups")) or real(*a, **k))  # fmt: skip
+    plain = ha.token_logprobs(model, ids)
+    assert calls and set(calls) == {None}, calls
+    calls.clear()
     monkeypatch.setattr(hp.tpm, "groups_for", lambda tp: 8)
     grouped = ha.token_logprobs(model, ids)
-    assert calls, "the experts ran through moe_experts"
+    assert calls and set(calls) == {8}, "the experts ran through moe_experts(groups=8)"
     assert grouped.shape == plain.shape
     with pytest.raises(ha.UnsupportedModelError, match="mixtral"):
         ha.patch_model(

@@ -243,7 +243,7 @@ def _fake_runner(**over):
     return runner
 
 
-def _vllm_config(**hf):
+def _vllm_config(tp: int = 1, **hf):
     hf_config = SimpleNamespace(
         model_type="qwen3_moe",
         architectures=["Qwen3MoeForCausalLM"],
@@ -258,7 +258,9 @@ def _vllm_config(**hf):
     return SimpleNamespace(
         model_config=SimpleNamespace(
             hf_config=hf_config, hf_text_config=hf_config, dtype=torch.bfloat16
-        )
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        device_config=SimpleNamespace(device=torch.device("cpu")),
     )
 
 
@@ -276,7 +278,7 @@ _REFUSED = [
     ({"moe_config.has_bias": True}, "expert biases"),
     ({"routed_input_transform": object()}, "latent MoE"),
     ({"moe_config.dp_size": 2}, "data / context / sequence parallel"),
-    ({"moe_config.tp_size": 2}, "tensor-parallel experts"),
+    ({"moe_config.tp_size": 2}, "tensor-parallel experts over 2 ranks, the model's TP is 1"),
     ({"routed_experts.renormalize": False}, "norm_topk_prob"),
     ({"routed_experts.w13_weight": torch.empty(8, 256, 128, dtype=torch.bfloat16)}, "layout"),
 ]
@@ -303,6 +305,59 @@ def test_moe_unroutable_config_reasons(env):
     assert r is not None and "top-k" in r, r
     r = moe.moe_unroutable(_fake_runner(), _vllm_config(moe_intermediate_size=48))
     assert r is not None and "padded" in r, r
+
+
+def _tp_runner(tp: int, inter: int, **over):
+    """The fake runner with TP-sharded experts (I = ``inter`` over ``tp`` ranks)."""
+    c = inter // tp
+    return _fake_runner(**{
+        "moe_config.tp_size": tp,
+        "routed_experts.w13_weight": torch.empty(8, 2 * c, 128, dtype=torch.bfloat16),
+        "routed_experts.w2_weight": torch.empty(8, 128, c, dtype=torch.bfloat16),
+        **over,
+    })  # fmt: skip
+
+
+def test_moe_tensor_parallel_experts_check(env, monkeypatch):
+    """TP-sharded experts are routed (the grouped experts over the TP exchange) where the
+    grouping can split them; refused, with the reason, where it cannot."""
+    from rl_engine.adapters.vllm import moe
+    from rl_engine.config import override_env
+    from rl_engine.registry import KernelRegistry
+
+    for tp in (2, 4):
+        assert moe.moe_unroutable(_tp_runner(tp, 64), _vllm_config(tp)) is None
+    r = moe.moe_unroutable(_tp_runner(2, 64), _vllm_config(4))
+    assert r is not None and "the model's TP is 4" in r, r
+    r = moe.moe_unroutable(_tp_runner(2, 36), _vllm_config(2, moe_intermediate_size=36))
+    assert r is not None and "not a multiple of 8" in r, r
+    r = moe.moe_unroutable(_tp_runner(3, 48), _vllm_config(3, moe_intermediate_size=48))
+    assert r is not None and "does not divide the 8 reduction groups" in r, r
+    r = moe.moe_unroutable(_tp_runner(2, 64, **{"moe_config.skip_final_all_reduce": True}),
+                           _vllm_config(2))  # fmt: skip
+    assert r is not None and "reduce_results=False" in r, r
+    with override_env({"RL_ENGINE_TP_GROUPS": "0"}):
+        r = moe.moe_unroutable(_tp_runner(2, 64), _vllm_config(2))
+    assert r is not None and "RL_ENGINE_TP_GROUPS=0" in r, r
+    (native,) = [p for p in KernelRegistry.providers("moe_experts") if p.name == "native"]
+    monkeypatch.delitem(native.extras, "subtree")
+    r = moe.moe_unroutable(_tp_runner(2, 64), _vllm_config(2))
+    assert r is not None and "has no 'subtree' extra" in r, r
+    # TP 1 without RL_ENGINE_TP_GROUPS: the plain experts, no subtree needed
+    assert moe.moe_unroutable(_fake_runner(), _vllm_config()) is None
+
+
+def test_moe_annotate_records_expert_tp(env):
+    from rl_engine.adapters.vllm import moe
+
+    runner = _tp_runner(2, 64)
+    info = moe.annotate(runner, _vllm_config(2))
+    assert info["expert_tp"] == 2 and info["groups"] == 8 and info["expert_parallel"] == 1
+    assert info["experts_numerics"] == "moe_experts_tp/g8[moe_experts/native]"
+    assert getattr(runner, moe.ATTR)["groups"] == 8
+    plain = moe.annotate(_fake_runner(), _vllm_config())
+    assert plain["expert_tp"] == 1 and plain["groups"] is None
+    assert plain["experts_numerics"] is None
 
 
 def test_moe_routing_per_family():

@@ -32,9 +32,11 @@ stays patched.
   ``*MLP``) and its gate logits ``shared_expert_gate(x)`` (a patched ``Linear``) join inside
   ``moe_combine``, last. The ``*Experts`` module's own forward (not called by the patched
   block) is patched too, for direct callers: ``moe_combine(moe_experts(...), weights)``.
+  With the TP-invariant reduction on (``RL_ENGINE_TP_GROUPS``; the trainer is TP 1, so
+  ``groups_for(1)``) the experts run its grouped form, ``moe_experts(..., groups=G)``: the bits
+  of a rollout whose experts are TP-sharded (vLLM at TP 2 / 4 without expert parallelism).
   Refused: Mixtral's ``router_jitter_noise > 0`` (random routing in training), capacity /
-  token-dropping settings, experts stored other than transformers 5's fused layout, and the
-  experts under the TP-invariant reduction (``RL_ENGINE_TP_GROUPS``).
+  token-dropping settings, experts stored other than transformers 5's fused layout.
 * ``config._attn_implementation`` is set to ``"rl_engine"`` (registered in transformers'
   ``AttentionInterface``, with the flash-attention style 2-D padding mask), so the attention
   receives the padding mask as [B, kv_len] booleans.
@@ -345,7 +347,7 @@ class _RouterForward(_PatchedForward):
 
 class _ExpertsForward(_PatchedForward):
     """``*Experts`` called directly (the patched sparse block does not call it):
-    ``moe_combine(moe_experts(x, ids, w13, w2), weights)``."""
+    ``moe_combine(moe_experts(x, ids, w13, w2, groups=groups_for(1)), weights)``."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__(module)
@@ -355,7 +357,7 @@ class _ExpertsForward(_PatchedForward):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         w13, w2 = _expert_weights(self.module)
-        y = ops.moe_experts(hidden_states, top_k_index, w13, w2)
+        y = ops.moe_experts(hidden_states, top_k_index, w13, w2, groups=tpm.groups_for(1))
         return ops.moe_combine(y, top_k_weights.float())
 
 
@@ -386,7 +388,8 @@ class _SparseMoeForward(_PatchedForward):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, ids = mod.gate(x)
         w13, w2 = _expert_weights(mod.experts)
-        y = ops.moe_experts(x, ids, w13, w2)
+        # the TP-invariant grouped experts when RL_ENGINE_TP_GROUPS is set (the trainer: TP 1)
+        y = ops.moe_experts(x, ids, w13, w2, groups=tpm.groups_for(1))
         shared = mod.shared_expert(x) if self.shared else None
         gate = mod.shared_expert_gate(x) if self.shared_gate else None
         out = ops.moe_combine(y, weights, shared=shared, shared_gate=gate)

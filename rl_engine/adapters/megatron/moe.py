@@ -4,10 +4,15 @@
 weight and the *stacked* expert weights as parameters and computes, per token row::
 
     weights, ids, _ = moe_router(x, router.weight, k, scoring=..., renormalize=...)
-    y   = moe_experts(x, ids, experts.linear_fc1.weight, experts.linear_fc2.weight)  # [T, k, H]
+    y   = moe_experts(x, ids, experts.linear_fc1.weight, experts.linear_fc2.weight,
+                      groups=groups_for(TP))                                         # [T, k, H]
     out = moe_combine(y, weights, shared=shared_expert(x), shared_gate=x @ gate_weight.T)
 
 with every GEMM a ``det_gemm`` (the ops' numerics: DESIGN.md section 1, "Mixture of experts").
+With the TP-invariant reduction on (``RL_ENGINE_TP_GROUPS``; ``groups_for`` of the config's
+TP degree, which is 1 here) the experts run ``moe_experts``' grouped form and the shared
+expert's down projection ``det_gemm_tp``: the bits of a rollout whose experts (and shared
+expert) are TP-sharded, as the dense row-parallel layers do.
 Megatron's ``TopKRouter``, token dispatchers and ``SequentialMLP`` / ``GroupedMLP`` are not
 used: their permutation, capacity and grouped-GEMM paths change bits with the batch.
 
@@ -37,7 +42,10 @@ over the expert-data-parallel group, not the data-parallel one).
 Refused with a reason (at build time): capacity factors / token dropping / padding to capacity
 (:class:`~rl_engine.ops.moe_experts.TokenDroppingError`), sigmoid scoring, expert bias, group-
 limited routing, top-k scaling, router jitter, aux / z losses, a router dtype other than the
-model's, latent projections, tensor parallelism (TP > 1) and expert tensor parallelism.
+model's, latent projections, tensor parallelism (TP > 1) and expert tensor parallelism
+(``expert_tensor_parallel_size > 1``: the experts' ``I`` sharded over an expert-TP group; not
+wired here yet: it needs the grouped experts' rank subtrees exchanged over that group, as the
+vLLM adapter does over its TP group).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from rl_engine import ops
-from rl_engine.adapters.megatron.modules import UnsupportedNumericsError, _init_device
+from rl_engine.adapters.megatron.modules import UnsupportedNumericsError, _config_tp, _init_device
+from rl_engine.ops.det_gemm import tp as tpm
 from rl_engine.ops.moe_experts import TokenDroppingError, refuse_token_dropping
 
 __all__ = ["RLMoELayer", "moe_scoring_from_config"]
@@ -102,7 +111,9 @@ def _check_config(config: Any) -> None:
     _refuse(int(config.tensor_model_parallel_size or 1) > 1,
             "tensor parallelism (TP > 1) with MoE layers")  # fmt: skip
     etp = getattr(config, "expert_tensor_parallel_size", None)
-    _refuse(etp is not None and int(etp) > 1, "expert tensor parallelism")
+    _refuse(etp is not None and int(etp) > 1,
+            "expert tensor parallelism (expert_tensor_parallel_size > 1; its rank subtrees "
+            "are not exchanged over the expert-TP group yet)")  # fmt: skip
 
 
 def _ep_group_size_rank() -> tuple[Any, int, int]:
@@ -145,6 +156,7 @@ class RLSharedExpert(torch.nn.Module):
 
     def __init__(self, config: Any, size: int, gate: bool) -> None:
         super().__init__()
+        self.tp = _config_tp(config)
         h = config.hidden_size
         self.linear_fc1 = _Weight((2 * size, h), config)
         self.linear_fc2 = _Weight((h, size), config)
@@ -160,7 +172,11 @@ class RLSharedExpert(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (shared output [T, H], gate logits [T, 1] or None)."""
         a = ops.silu_and_mul(ops.det_gemm(x, self.linear_fc1.weight.t()))
-        out = ops.det_gemm(a, self.linear_fc2.weight.t())
+        groups = tpm.groups_for(self.tp)
+        if groups is None:
+            out = ops.det_gemm(a, self.linear_fc2.weight.t())
+        else:  # a row-parallel down projection's TP-invariant K reduction, as every engine's
+            out = tpm.det_gemm_tp(a, self.linear_fc2.weight.t(), groups=groups)
         gate = None if self.gate_weight is None else ops.det_gemm(x, self.gate_weight.t())
         return out, gate
 
@@ -250,10 +266,11 @@ class RLMoELayer(MegatronModule):
             logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize
         )
         w13, w2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
+        groups = tpm.groups_for(_config_tp(self.config))  # the grouped experts (TP_GROUPS)
         if self.ep_size == 1:
-            y = ops.moe_experts(x, ids, w13, w2)
+            y = ops.moe_experts(x, ids, w13, w2, groups=groups)
         else:
-            y = _ep_experts(x, ids, w13, w2, self.expert_map, self.top_k)
+            y = _ep_experts(x, ids, w13, w2, self.expert_map, self.top_k, groups)
         shared = gate = None
         if self.shared_experts is not None:
             shared, gate = self.shared_experts(x)
@@ -321,6 +338,7 @@ def _ep_experts(
     w2: torch.Tensor,
     expert_map: torch.Tensor,
     k: int,
+    groups: int | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` over the expert-parallel group (module docstring): [T, k, H]."""
     group, ep, rank = _ep_group_size_rank()
@@ -335,7 +353,8 @@ def _ep_experts(
     id_parts = [torch.empty_like(id_pad) for _ in range(ep)]
     torch.distributed.all_gather(id_parts, id_pad, group=group)
     all_ids = torch.cat([p[:c] for p, c in zip(id_parts, counts, strict=True)], dim=0)
-    y = ops.moe_experts(rows, all_ids.reshape(-1, 1), w13, w2, expert_map=expert_map)
+    y = ops.moe_experts(rows, all_ids.reshape(-1, 1), w13, w2, expert_map=expert_map,
+                        groups=groups)  # fmt: skip
     start = sum(counts[:rank]) * k
     mine = _SumRowsOverGroup.apply(y.view(-1, x.shape[1]), start, t * k, group)
     return mine.view(t, k, x.shape[1])

@@ -351,6 +351,22 @@ def moe_layers() -> SimpleNamespace:
     )
 
 
+def moe_block_reduces(moe_config: Any) -> bool:
+    """Whether the model block around an MoE runner all-reduces the runner's output itself
+    (the runner was built with ``reduce_results=False``: vLLM 0.32 records it as
+    ``moe_config.skip_final_all_reduce``; vLLM 0.24's ``FusedMoE`` has no such argument and
+    always reduces inside ``MoERunner.forward``). The routed forward returns the complete
+    output on every rank, so such a block would add it again (TP / EP > 1): refused.
+
+    Where the all-reduce is in both versions (read in both sources): ``MoERunner.forward``
+    calls ``_maybe_reduce_final_output`` (TP or EP > 1, unless sequence parallel or a
+    pre-reduced combine kernel) and ``_maybe_reduce_shared_expert_output``; the patched
+    ``forward`` replaces the whole method, so neither runs. ``Qwen3MoeSparseMoeBlock``,
+    ``MixtralMoE`` and ``Qwen2MoeSparseMoeBlock`` call the runner and return its output (no
+    all-reduce of their own) in 0.24 and 0.32."""
+    return bool(getattr(moe_config, "skip_final_all_reduce", False))
+
+
 def ep_all_reduce(y: torch.Tensor) -> torch.Tensor:
     """Sum-all-reduce over vLLM's expert-parallel group (``get_ep_group().all_reduce``: the
     same in 0.24 and 0.32; a registered op inside torch.compile graphs)."""

@@ -11,15 +11,40 @@ on, ``MoERunner.forward`` is replaced by :func:`moe_forward`:
   family, the one the trainer adapters use (:func:`routing_for`): Qwen3-MoE and Qwen2-MoE
   ``"softmax"`` with ``renormalize=norm_topk_prob``; Mixtral ``"topk_softmax"`` (vLLM runs
   Mixtral as softmax + renormalize, the same function mathematically, other bits);
-* ``y = moe_experts(x, ids, w13_weight, w2_weight, expert_map=...)`` per top-k slot, [T, k, H];
-* expert parallelism (``enable_expert_parallel``): ``expert_map`` gives this rank's experts; the
-  other slots are ``+0`` rows, so the sum of ``y`` over the EP group (:func:`ep_slot_sum`) is
-  exact in any order (one nonzero term per element); vLLM's all-reduce of the combined output
-  does not run;
+* ``y = moe_experts(x, ids, w13_weight, w2_weight, expert_map=..., groups=G)`` per top-k
+  slot, [T, k, H], with ``G = groups_for(tensor_parallel_size)`` (the rule of the dense
+  row-parallel layers, :func:`rl_engine.ops.det_gemm.tp.groups_for`: the grouped experts of
+  family ``moe_experts_tp/g<G>[...]`` at TP > 1, and at TP 1 when ``RL_ENGINE_TP_GROUPS`` is
+  set; ``None``: the plain experts);
+* tensor-parallel experts (TP t > 1 without expert parallelism, vLLM's default: every expert's
+  intermediate size ``I`` sharded, ``w13_weight`` [E, 2I/t, H] = ``[gate_r; up_r]``,
+  ``w2_weight`` [E, H, I/t]): ``rl_engine::moe_experts_tp`` (one custom op, opaque to
+  torch.compile): this rank's fp32 subtrees of ``G / t`` groups
+  (``moe_experts_subtree``), exchanged over vLLM's TP group by the exchange the row-parallel
+  layers use (``compat.tp_exchange()``, built by ``compat.build_tp_exchange``): every rank gets
+  the whole ``[T, k, H]`` rows of TP 1, rounded once; the model must keep ``I`` divisible into
+  ``G`` groups (``check_split``);
+* expert parallelism (``enable_expert_parallel``): ``expert_map`` gives this rank's experts
+  (whole experts: all ``G`` groups local, no exchange); the other slots are ``+0`` rows, so the
+  sum of ``y`` over the EP group (:func:`ep_slot_sum`) is exact in any order (one nonzero term
+  per element);
 * ``out = moe_combine(y, weights, shared=..., shared_gate=...)``: the shared expert (Qwen2-MoE)
-  runs its MLP through the routed linear / ``silu_and_mul`` layers, and its output and its
-  sigmoid gate's logits join inside ``moe_combine`` (fp32, one rounding), not in vLLM's bf16
-  ``sigmoid(g) * out`` and ``shared + routed`` adds.
+  runs its MLP through the routed linear / ``silu_and_mul`` layers (at TP > 1 its column-
+  parallel ``gate_up_proj`` gives this rank's columns, its ``down_proj`` - built with
+  ``reduce_results=False`` - runs :func:`rl_engine.adapters.vllm.patches.row_parallel_full`: the
+  whole output, rounded once), and its output and its sigmoid gate's logits join inside
+  ``moe_combine`` (fp32, one rounding), not in vLLM's bf16 ``sigmoid(g) * out`` and
+  ``shared + routed`` adds.
+
+vLLM's own TP / EP all-reduce of the MoE output: in vLLM 0.24 and 0.32 it is inside
+``MoERunner.forward`` (``_maybe_reduce_final_output``, and ``_maybe_reduce_shared_expert_output``
+for a pre-reduced combine), which the patched forward replaces as a whole, so it never runs:
+the result above is already complete on every rank and nothing adds it again. The supported
+model blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralMoE``, ``Qwen2MoeSparseMoeBlock``) do not
+all-reduce in either version (checked in both sources: older vLLMs did, in the block, through
+``maybe_all_reduce_tensor_model_parallel``). A runner built with ``reduce_results=False``
+(0.32: ``moe_config.skip_final_all_reduce``; 0.24 has no such argument), whose block would
+all-reduce the output itself, is refused (:func:`rl_engine.adapters.vllm.compat.moe_block_reduces`).
 
 No path leads into vLLM's fused-MoE kernels (router, ``fused_experts``, modular kernels) while
 the plugin is on; ``UnquantizedFusedMoEMethod.process_weights_after_loading`` keeps the expert
@@ -30,8 +55,11 @@ quantized experts, non-SiLU activations, grouped top-k / ``e_score_correction_bi
 routing functions / sigmoid scoring / other routers (DeepSeek-style, zero experts, routing
 simulation, fused shared experts), a routed scaling factor, router weight on the input, expert
 biases or SwiGLU limits, latent transforms, EPLB / redundant experts, LoRA, capacity factors
-(token dropping), tensor-parallel experts without expert parallelism, data / context / sequence
-parallel MoE, and a shared expert whose MLP is tensor-parallel.
+(token dropping), data / context / sequence parallel MoE, an MoE whose block all-reduces the
+output itself (``reduce_results=False``), a TP degree not dividing the ``G`` groups or an
+intermediate size (routed or shared expert) not divisible into them, an experts provider
+without the grouped form (no ``"subtree"`` extra) where groups are on, and a shared expert whose
+MLP is sharded otherwise than over the model's TP group.
 """
 
 from __future__ import annotations
@@ -85,7 +113,7 @@ def shared_mlp(runner: Any) -> Any:
     return None if shared is None else shared._layer
 
 
-def _shared_reason(mlp: Any, lay: Any) -> str | None:
+def _shared_reason(mlp: Any, lay: Any, model_tp: int, groups: int | None) -> str | None:
     """Why a shared-expert MLP cannot run through :func:`moe_forward`, or ``None``."""
     need = {
         "gate_up_proj": lay.MergedColumnParallelLinear,
@@ -99,11 +127,22 @@ def _shared_reason(mlp: Any, lay: Any) -> str | None:
                 f"shared expert {type(mlp).__name__} without a plain {name} "
                 f"({cls.__name__}); found {type(sub).__name__}"
             )
-    if mlp.down_proj.tp_size > 1 or mlp.gate_up_proj.tp_size > 1:
+    down, up = mlp.down_proj, mlp.gate_up_proj
+    if down.tp_size != up.tp_size or down.tp_size not in (1, model_tp):
         return (
-            "shared expert with a tensor-parallel MLP (TP "
-            f"{mlp.down_proj.tp_size}): its partial sums would join vLLM's all-reduce"
+            f"shared expert sharded over TP {up.tp_size} (gate_up) / {down.tp_size} (down); "
+            f"expected the model's TP {model_tp} or 1"
         )
+    if down.tp_size > 1:
+        if not down.input_is_parallel or up.gather_output:
+            return "shared expert with input_is_parallel=False / gather_output=True"
+        from rl_engine.ops.det_gemm import tp as tpm
+
+        try:
+            tpm.check_split(down.input_size, down.tp_size, what="shared expert down_proj",
+                            groups=groups or tpm.TP_GROUPS)  # fmt: skip
+        except ValueError as exc:
+            return str(exc)
     gate = getattr(mlp, "expert_gate", None)
     if gate is not None:
         if type(gate) is not lay.ReplicatedLinear:
@@ -176,11 +215,21 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
             f"data / context / sequence parallel MoE (DP {cfg.dp_size}, PCP {cfg.pcp_size}, "
             f"SP {cfg.is_sequence_parallel}): tokens are dispatched across ranks"
         )
-    if cfg.tp_size > 1:
+    model_tp = _model_tp(vllm_config)
+    expert_tp = _expert_tp(cfg)
+    if expert_tp > 1 and expert_tp != model_tp:
+        return f"tensor-parallel experts over {expert_tp} ranks, the model's TP is {model_tp}"
+    if compat.moe_block_reduces(cfg) and model_tp > 1:
         return (
-            f"tensor-parallel experts (intermediate size sharded over TP {cfg.tp_size}): "
-            "not routed yet; run the MoE with enable_expert_parallel=True"
+            "an MoE layer built with reduce_results=False (its model block all-reduces the "
+            "output itself, which would add the complete routed output again)"
         )
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    try:
+        groups = tpm.groups_for(model_tp)
+    except ValueError as exc:
+        return str(exc)
     if getattr(cfg.moe_parallel_config, "use_all2all_kernels", False):
         return "all-to-all MoE dispatch kernels"
     scoring, renorm = routing
@@ -199,8 +248,21 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
             f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} not in the "
             f"[E={n_local}, 2I, H={h}] / [E, H, I] layout"
         )
-    if inter != spec.intermediate:
-        return f"expert intermediate size {inter} != the model's {spec.intermediate} (padded)"
+    if inter * expert_tp != spec.intermediate:
+        return (
+            f"expert intermediate size {inter} x TP {expert_tp} != the model's "
+            f"{spec.intermediate} (padded)"
+        )
+    if groups is not None:
+        from rl_engine.ops.moe_experts import tp as moe_tp
+        from rl_engine.registry import RLEngineError
+
+        try:
+            tpm.check_split(spec.intermediate, expert_tp, what="MoE experts (intermediate size)",
+                            groups=groups)  # fmt: skip
+            moe_tp.resolve(_device_type(vllm_config))
+        except (ValueError, RLEngineError) as exc:
+            return str(exc)
     if runner.routed_experts.top_k != spec.top_k:
         return f"vLLM top-k {runner.routed_experts.top_k} != num_experts_per_tok {spec.top_k}"
     if w13.dtype != vllm_config.model_config.dtype:
@@ -212,7 +274,7 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
             f"the config (shared_expert_intermediate_size {spec.shared_intermediate}), or back"
         )
     if mlp is not None:
-        reason = _shared_reason(mlp, lay)
+        reason = _shared_reason(mlp, lay, model_tp, groups)
         if reason:
             return reason
     gate = runner.gate
@@ -221,14 +283,40 @@ def moe_unroutable(runner: Any, vllm_config: Any) -> str | None:
     return None
 
 
+def _model_tp(vllm_config: Any) -> int:
+    return int(vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _expert_tp(cfg: Any) -> int:
+    """How many ranks share every expert (its ``I`` sharded): vLLM's MoE TP degree without
+    expert parallelism, 1 with it (whole experts per rank)."""
+    return 1 if cfg.use_ep else int(cfg.tp_size)
+
+
+def _device_type(vllm_config: Any) -> str:
+    device = vllm_config.device_config.device
+    return torch.device(device).type if device is not None else "cpu"
+
+
 def annotate(runner: Any, vllm_config: Any) -> dict[str, Any]:
     """Record on ``runner`` the routing :func:`moe_forward` runs (after the check passed) and
-    return its provenance entry."""
+    return its provenance entry: the routing, the expert-parallel and expert-TP degrees, the
+    group count ``G`` (``None``: the plain experts) and the experts' numerics family."""
+    from rl_engine.ops.det_gemm import tp as tpm
+
     routing, _ = routing_for(vllm_config.model_config.hf_config)
     assert routing is not None
     scoring, renorm = routing
     cfg = runner.moe_config
     ep = int(cfg.ep_size) if cfg.use_ep else 1
+    groups = tpm.groups_for(_model_tp(vllm_config))
+    mlp = shared_mlp(runner)
+    if groups is None:
+        numerics = None  # the plain family: the registry's moe_experts record
+    else:
+        from rl_engine.ops.moe_experts import tp as moe_tp
+
+        numerics = moe_tp.family(_device_type(vllm_config), groups=groups)
     info = {
         "scoring": scoring,
         "renormalize": renorm,
@@ -236,7 +324,11 @@ def annotate(runner: Any, vllm_config: Any) -> dict[str, Any]:
         "num_experts": int(runner.routed_experts.global_num_experts),
         "local_experts": int(runner.routed_experts.local_num_experts),
         "expert_parallel": ep,
-        "shared_expert": shared_mlp(runner) is not None,
+        "expert_tp": _expert_tp(cfg),
+        "groups": groups,
+        "experts_numerics": numerics,
+        "shared_expert": mlp is not None,
+        "shared_tp": int(mlp.down_proj.tp_size) if mlp is not None else 1,
     }
     setattr(runner, ATTR, info)
     return {**info, "ops": list(MOE_OPS)}
@@ -251,11 +343,20 @@ def ep_slot_sum(y: torch.Tensor, all_reduce: Any) -> torch.Tensor:
     return all_reduce(y)
 
 
-def _shared_parts(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _shared_parts(mlp: Any, x: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The shared expert's MLP output and its gate logits ([T, 1], or ``None``), each through
-    the routed (patched) linear / activation layers: no arithmetic here."""
+    the routed (patched) linear / activation layers: no arithmetic here. ``tp`` > 1: its MLP
+    is TP-sharded (``gate_up_proj`` gives this rank's ``[gate_r; up_r]`` columns); the down
+    projection's whole output comes from the TP-invariant reduction
+    (:func:`~rl_engine.adapters.vllm.patches.row_parallel_full`), not from vLLM's all-reduce."""
     gate_up, _ = mlp.gate_up_proj(x)
-    out, _ = mlp.down_proj(mlp.act_fn(gate_up))
+    act = mlp.act_fn(gate_up)
+    if tp > 1:
+        from rl_engine.adapters.vllm import patches
+
+        out = patches.row_parallel_full(mlp.down_proj, act)
+    else:
+        out, _ = mlp.down_proj(act)
     gate = getattr(mlp, "expert_gate", None)
     logits = gate(x)[0] if gate is not None else None
     return out, logits
@@ -266,6 +367,7 @@ def _make_runner_forward(original):
         """rl_engine's MoE layer (see :mod:`rl_engine.adapters.vllm.moe`)."""
         from rl_engine.adapters.vllm import compat, patches
         from rl_engine.ops import moe_combine, moe_experts, moe_topk
+        from rl_engine.ops.moe_experts.tp import moe_experts_tp
 
         info = getattr(self, ATTR, None)
         if info is None:
@@ -281,15 +383,24 @@ def _make_runner_forward(original):
             logits, info["top_k"], scoring=info["scoring"], renormalize=info["renormalize"]
         )
         experts = self.routed_experts
-        expert_map = experts.expert_map if info["expert_parallel"] > 1 else None
-        y = moe_experts(x, ids, experts.w13_weight, experts.w2_weight, expert_map=expert_map)
-        if info["expert_parallel"] > 1:
-            y = ep_slot_sum(y, compat.ep_all_reduce)
+        w13, w2, groups, etp = (
+            experts.w13_weight,
+            experts.w2_weight,
+            info["groups"],
+            info["expert_tp"],
+        )
+        if etp > 1:  # this rank's I / t shard: its subtrees, exchanged over the TP group
+            y = moe_experts_tp(x, ids, w13, w2, groups // etp, compat.tp_exchange())
+        else:
+            expert_map = experts.expert_map if info["expert_parallel"] > 1 else None
+            y = moe_experts(x, ids, w13, w2, expert_map=expert_map, groups=groups)
+            if info["expert_parallel"] > 1:
+                y = ep_slot_sum(y, compat.ep_all_reduce)
         shared = shared_gate = None
         mlp = shared_mlp(self)
         if mlp is not None:
             shared_in = x if shared_experts_input is None else shared_experts_input
-            shared, shared_gate = _shared_parts(mlp, shared_in)
+            shared, shared_gate = _shared_parts(mlp, shared_in, info["shared_tp"])
         return moe_combine(y, weights, shared=shared, shared_gate=shared_gate)
 
     return forward

@@ -20,7 +20,8 @@ function carries ``_rl_engine_patched = True``):
   process, for log-probs the plugin does not model (raw mode at a temperature != 1; top-k /
   top-p / min-p / penalties / logit bias / allowed or bad words).
 * Mixture of experts (:mod:`.moe`): ``MoERunner.forward`` -> ``moe_topk`` / ``moe_experts`` /
-  ``moe_combine`` (expert parallelism and the Qwen2-MoE shared expert included);
+  ``moe_combine`` (expert parallelism, TP-sharded experts through ``rl_engine::moe_experts_tp``
+  and the Qwen2-MoE shared expert, also TP-sharded, included);
   ``UnquantizedFusedMoEMethod.process_weights_after_loading`` keeps the expert weights as loaded;
   vLLM 0.32's ``GateLinear.forward`` -> the plain routed linear path (model-dtype ``det_gemm``).
 * ``BaseModelLoader.load_model``: after loading, the model is checked (:mod:`.check`); in strict
@@ -121,6 +122,28 @@ def _make_linear_apply(original):
     return apply
 
 
+def row_parallel_full(layer: Any, input_: torch.Tensor) -> torch.Tensor:
+    """A ``RowParallelLinear``'s whole output at TP > 1, the same on every rank: this rank's
+    subtree of the TP-invariant K reduction, the fp32 subtrees exchanged over vLLM's TP group
+    (``rl_engine::tp_row_parallel``), ``+ bias`` (unless ``skip_bias_add``), one rounding. Used
+    by the patched ``forward`` and by the MoE shared expert, whose ``down_proj`` is built with
+    ``reduce_results=False`` (its sum would join the MoE block's all-reduce)."""
+    from rl_engine.adapters.vllm import compat
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    tp = layer.tp_size
+    groups = tpm.groups_for(tp)
+    tpm.check_split(layer.input_size, tp, what=type(layer).__name__, groups=groups)
+    x = input_
+    if not layer.input_is_parallel:
+        x = x.chunk(tp, dim=-1)[layer.tp_rank].contiguous()
+    bias = None if layer.skip_bias_add else layer.bias
+    k = x.shape[-1]
+    return tpm.tp_row_parallel(
+        x.reshape(-1, k), layer.weight.t(), bias, groups // tp, compat.tp_exchange()
+    ).reshape(*x.shape[:-1], layer.weight.shape[0])
+
+
 def _make_row_parallel_forward(original):
     def forward(self, input_):
         """At TP > 1: the TP-invariant K reduction (this rank's subtree, the fp32 subtrees
@@ -131,19 +154,7 @@ def _make_row_parallel_forward(original):
         if not self.reduce_results or type(self.quant_method).__name__ != "UnquantizedLinearMethod":
             _unrouted_call(self, "a row-parallel layer without reduce_results or quantized")
             return original(self, input_)
-        from rl_engine.adapters.vllm import compat
-        from rl_engine.ops.det_gemm import tp as tpm
-
-        groups = tpm.groups_for(tp)
-        tpm.check_split(self.input_size, tp, what=type(self).__name__, groups=groups)
-        x = input_
-        if not self.input_is_parallel:
-            x = x.chunk(tp, dim=-1)[self.tp_rank].contiguous()
-        bias = None if self.skip_bias_add else self.bias
-        k = x.shape[-1]
-        out = tpm.tp_row_parallel(
-            x.reshape(-1, k), self.weight.t(), bias, groups // tp, compat.tp_exchange()
-        ).reshape(*x.shape[:-1], self.weight.shape[0])
+        out = row_parallel_full(self, input_)
         if not self.return_bias:
             return out
         return out, (self.bias if self.skip_bias_add else None)

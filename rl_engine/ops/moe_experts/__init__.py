@@ -5,6 +5,12 @@ and ``rl_engine::moe_experts_backward(grad, x, ids, w13, w2, expert_map, provide
 dw13, dw2)``. Every output row is bitwise the ``det_gemm`` / ``silu_and_mul`` expert MLP of that
 row alone (the launch never depends on how many tokens an expert receives); see
 :mod:`rl_engine.ops.moe_experts.reference`.
+
+The grouped form (``moe_experts(..., groups=G)``: the down product through the TP-invariant K
+reduction, family ``moe_experts_tp/g<G>[...]``, :mod:`rl_engine.ops.moe_experts.tp`):
+``rl_engine::moe_experts_grouped(x, ids, w13, w2, expert_map, groups, provider) -> y`` (with
+autograd) and ``rl_engine::moe_experts_subtree(x, ids, w13, w2, groups, expert_map, provider)
+-> fp32 [T, k, H]`` (a rank's subtrees; a provider serves them through its ``"subtree"`` extra).
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from rl_engine.ops._common import (
     registry_entry,
 )
 from rl_engine.ops.moe_experts import reference
-from rl_engine.registry import RLEngineError, resolve_provider
+from rl_engine.registry import KernelRegistry, RLEngineError, resolve_provider
 
-__all__ = ["TokenDroppingError", "UnsupportedMoEError", "moe_experts"]
+__all__ = ["TokenDroppingError", "UnsupportedMoEError", "moe_experts", "moe_experts_subtree"]
 
 _OP = "moe_experts"
 
@@ -82,9 +88,60 @@ def _backward(ctx, grad):
 _experts_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(x: Any, ids: Any, w13: Any, w2: Any, expert_map: Any, provider: str) -> torch.Tensor:
+# ------------------------------------------------------------------------------ grouped form
+def _subtree_fake(x, ids, w13, w2, groups, expert_map):
+    reference._check(x, ids, w13, w2, expert_map, values=False)
+    return x.new_empty((ids.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
+
+
+_subtree_op = provider_op(
+    _OP, "moe_experts_subtree", reference.moe_experts_subtree, _subtree_fake, "subtree"
+)
+
+
+@torch.library.custom_op("rl_engine::moe_experts_grouped", mutates_args=())
+def _grouped_op(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    groups: int,
+    provider: str,
+) -> torch.Tensor:
+    from rl_engine.ops.det_gemm.tp import finish
+
+    sub = KernelRegistry.provider(_OP, provider).extras["subtree"]
+    return finish(sub(x, ids, w13, w2, groups, expert_map), None, x.dtype)
+
+
+@_grouped_op.register_fake
+def _(x, ids, w13, w2, expert_map, groups, provider):
+    return _fake(x, ids, w13, w2, expert_map)
+
+
+def _grouped_setup_context(ctx, inputs, output):
+    x, ids, w13, w2, expert_map, _, provider = inputs
+    ctx.save_for_backward(x, ids, w13, w2, expert_map)
+    ctx.provider = provider
+
+
+def _grouped_backward(ctx, grad):
+    return (*_backward(ctx, grad)[:4], None, None, None)
+
+
+# backward: the plain form's (the grouped K reduction changes the forward down product only)
+_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup_context)
+
+
+def _run(x: Any, ids: Any, w13: Any, w2: Any, expert_map: Any, groups: Any,
+         provider: str) -> torch.Tensor:  # fmt: skip
     reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
-    return _experts_op(x, ids, w13, w2, expert_map, provider)
+    if groups is None:
+        return _experts_op(x, ids, w13, w2, expert_map, provider)
+    reference.check_groups(w2, groups)
+    provider = tp.resolve(x.device.type, provider)
+    return _grouped_op(x, ids, w13, w2, expert_map, groups, provider)
 
 
 def moe_experts(
@@ -94,6 +151,7 @@ def moe_experts(
     w2: torch.Tensor,
     *,
     expert_map: torch.Tensor | None = None,
+    groups: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Batch-invariant SwiGLU experts: ``y[t, s]`` = expert ``ids[t, s]``'s MLP of ``x[t]``.
@@ -103,6 +161,14 @@ def moe_experts(
         ids: [T, k] global expert ids.
         w13: [E_local, 2 * I, H] gate rows then up rows; w2: [E_local, H, I].
         expert_map: [E_global] global id -> local index or -1 (expert parallelism).
+        groups: ``None``: the down product is a plain ``det_gemm`` (family
+            ``moe_experts/<provider>``). ``G`` (a power of two dividing ``I``): the grouped form,
+            ``finish(moe_experts_subtree(x, ids, w13, w2, G), None, x.dtype)`` (family
+            ``moe_experts_tp/g<G>[...]``): the bits of the same experts TP-sharded over any
+            degree dividing ``G`` (:mod:`rl_engine.ops.moe_experts.tp`). An engine passes
+            ``rl_engine.ops.det_gemm.tp.groups_for(its TP degree)``. The backward is the plain
+            form's (``dx``, ``dw13``, ``dw2``: det_gemm's rule; the grouped K reduction changes
+            only the forward down product). Raises when the provider has no ``"subtree"``.
         backend: pin a provider for this call (raises when it cannot run).
 
     Returns:
@@ -111,7 +177,42 @@ def moe_experts(
     """
     check_tensor("x", x)
     provider = resolve_provider(_OP, x.device.type, backend)
-    return _run(x, ids, w13, w2, expert_map, provider)
+    return _run(x, ids, w13, w2, expert_map, groups, provider)
+
+
+def moe_experts_subtree(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    groups: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """A rank's fp32 subtrees of the grouped experts (no autograd: the inference form).
+
+    For each (token, slot) routed to a local expert ``e``: ``det_gemm_tp``'s
+    ``subtree(silu_and_mul(det_gemm(x[t], w13[e].t())), w2[e].t(), groups)`` in fp32, through
+    the ``det_gemm`` provider of the experts provider's family; other slots ``+0``.
+
+    Args:
+        x, ids, expert_map: as :func:`moe_experts`.
+        w13: [E_local, 2 * I_r, H] this rank's shard ``[gate_r; up_r]`` (TP 1: the whole).
+        w2: [E_local, H, I_r].
+        groups: this rank's group count, ``G / t`` at TP degree ``t``.
+        backend: pin the experts provider (it must have a ``"subtree"`` extra).
+
+    Returns:
+        [T, k, H] float32. ``finish(combine([rank subtrees]), None, x.dtype)``
+        (:mod:`rl_engine.ops.det_gemm.tp`) == ``moe_experts(..., groups=G)`` on the whole
+        weights, bitwise.
+    """
+    check_tensor("x", x)
+    provider = tp.resolve(x.device.type, backend)
+    reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
+    reference.check_groups(w2, groups)
+    return _subtree_op(x, ids, w13, w2, groups, expert_map, provider)
 
 
 register_op(
@@ -120,9 +221,13 @@ register_op(
     native=(
         "moe_experts/native",
         reference.moe_experts,
-        {"backward": reference.moe_experts_backward},
+        {"backward": reference.moe_experts_backward, "subtree": reference.moe_experts_subtree},
     ),
 )
 
 # The Triton provider (grouped GEMMs; cuda, cpu through the Triton interpreter).
 register_triton(__name__)
+
+# The grouped family (op moe_experts_tp: one provider per moe_experts provider) and the TP
+# exchange op; imported last: it mirrors the providers registered above.
+from rl_engine.ops.moe_experts import tp  # noqa: E402

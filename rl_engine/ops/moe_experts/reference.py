@@ -28,6 +28,21 @@ gradients, ``h`` = ``det_gemm(x_e, w13[e].t())`` recomputed, ``a = silu_and_mul(
 
 ``dx`` is row invariant; ``dw13`` / ``dw2`` are deterministic (zero-padding rows add exact
 zeros) and rounded once to the weights' dtype.
+
+**Grouped form** (family ``moe_experts_tp/g<G>[moe_experts/native]``; the experts whose
+intermediate dimension ``I`` tensor parallelism shards, :mod:`rl_engine.ops.moe_experts.tp`):
+the down product of every row is the TP-invariant K reduction of
+:mod:`rl_engine.ops.det_gemm.tp` instead of a plain ``det_gemm``::
+
+    a      = silu_and_mul(det_gemm(x[t], w13[e].t()))            # as above, x.dtype
+    sub    = det_gemm_tp.subtree(a, w2[e].t(), G)                # fp32: G groups, pair tree
+    y[t, s] = finish(sub, None, x.dtype)                         # one rounding
+
+(:func:`moe_experts_subtree` returns ``sub``, fp32, ``+0`` rows for non-local experts). A rank
+holding the ``I / t`` shard ``r`` of every expert (``w13`` rows ``[gate_r; up_r]``, ``w2``
+columns ``r``) computes ``a``'s columns of that shard bitwise (``det_gemm`` is column
+invariant) and so its subtree of ``G / t`` groups; the ranks' subtrees combined by
+:func:`rl_engine.ops.det_gemm.tp.combine` and rounded once are the one-device bits.
 """
 
 from __future__ import annotations
@@ -47,14 +62,35 @@ class Kernels(NamedTuple):
     wgrad: Callable[..., torch.Tensor]  # det_gemm_wgrad(a, grad) -> fp32 a.t() @ grad
     act: Callable[..., torch.Tensor]  # silu_and_mul(x)
     act_backward: Callable[..., torch.Tensor]  # silu_and_mul_backward(grad, x)
+    # the grouped down product: subtree(a, b, groups) -> fp32 [M, N] (det_gemm_tp's subtree of
+    # the family's det_gemm provider); None: the family has no grouped form
+    subtree: Callable[..., torch.Tensor] | None = None
 
 
 def _native() -> Kernels:
     from rl_engine.ops.det_gemm import reference as gemm
+    from rl_engine.ops.det_gemm import tp
     from rl_engine.ops.silu_and_mul import reference as act
 
+    def subtree(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+        return tp.subtree(a, b, groups, backend="native")
+
     return Kernels(gemm.det_gemm, gemm.det_gemm_wgrad, act.silu_and_mul,
-                   act.silu_and_mul_backward)  # fmt: skip
+                   act.silu_and_mul_backward, subtree)  # fmt: skip
+
+
+def check_groups(w2: torch.Tensor, groups: int) -> None:
+    """Refuse a group count the grouped down product cannot use on ``w2`` [E, H, I_local]."""
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"moe_experts: groups must be an int, got {type(groups).__name__}")
+    if groups < 1 or groups & (groups - 1):
+        raise ValueError(f"moe_experts: groups must be a power of two >= 1, got {groups}")
+    inter = w2.shape[-1]
+    if inter % groups:
+        raise ValueError(
+            f"moe_experts: the intermediate size {inter} of w2 {tuple(w2.shape)} does not "
+            f"split into {groups} equal groups (the TP-invariant down product)"
+        )
 
 
 def _check(
@@ -131,6 +167,9 @@ def groups(
         start += n
 
 
+_by_expert = groups  # for the grouped functions, whose ``groups`` argument is the group count
+
+
 def sum_slots(dx_slots: torch.Tensor) -> torch.Tensor:
     """A token's input gradient from its slots' [T, k, H]: added in slot order in fp32, rounded
     once to their dtype (every provider's rule)."""
@@ -148,6 +187,16 @@ def experts_forward(x, ids, w13, w2, expert_map, kern: Kernels) -> torch.Tensor:
     for e, rows in groups(ids, expert_map, w13.shape[0]):
         a = kern.act(kern.mm(x[rows // k], w13[e].t(), None))
         y[rows] = kern.mm(a, w2[e].t(), None)
+    return y.view(t, k, x.shape[1])
+
+
+def experts_subtree(x, ids, w13, w2, groups: int, expert_map, kern: Kernels) -> torch.Tensor:
+    """The grouped form's fp32 subtrees [T, k, H] (module docstring) with one family's ops."""
+    t, k = ids.shape
+    y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    for e, rows in _by_expert(ids, expert_map, w13.shape[0]):
+        a = kern.act(kern.mm(x[rows // k], w13[e].t(), None))
+        y[rows] = kern.subtree(a, w2[e].t(), groups)
     return y.view(t, k, x.shape[1])
 
 
@@ -194,6 +243,32 @@ def moe_experts(
     """
     _check(x, ids, w13, w2, expert_map)
     return experts_forward(x, ids, w13, w2, expert_map, _native())
+
+
+def moe_experts_subtree(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    groups: int,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A rank's fp32 subtrees of the grouped experts (module docstring, "Grouped form").
+
+    Equivalent to ``y[t, s] = det_gemm_tp.subtree(silu_and_mul(det_gemm(x[t], w13[e].t())),
+    w2[e].t(), groups)`` with ``e = ids[t, s]`` (``+0`` rows where ``e`` is not local).
+
+    Args:
+        x, ids, w13, w2, expert_map: as :func:`moe_experts`; ``w13`` / ``w2`` may be a TP
+            rank's shard of the intermediate dimension (``w13`` rows ``[gate_r; up_r]``).
+        groups: the number of groups of this rank's ``I_local`` (``G / t`` at TP degree t).
+
+    Returns:
+        [T, k, H] float32 (not rounded: combine the ranks', then round once).
+    """
+    _check(x, ids, w13, w2, expert_map)
+    check_groups(w2, groups)
+    return experts_subtree(x, ids, w13, w2, groups, expert_map, _native())
 
 
 def moe_experts_backward(
