@@ -49,7 +49,7 @@ case ${PHASE:-checks} in
   bench)
     install
     job rollout_tp2 "$T" 0,1 $PY benchmarks/bench_rollout.py --model llama8b_width --tp 2 \
-      --configs stock,rl_engine,rl_engine_oneshot --sizes 256 --new-tokens 256 --repeats 2 \
+      --configs "${ROLLOUT_CONFIGS:-stock,rl_engine,rl_engine_oneshot}" --sizes 256 --new-tokens 256 --repeats 2 \
       --rounds 3 --out "$OUT/bench"
     ;;
   extra)
