@@ -13,6 +13,7 @@ checks that all of them give bitwise-equal outputs (``DIR/det_gemm_sweep.json``)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import sys
@@ -275,27 +276,22 @@ def plot(rows: list[dict], limits: dict, path: Path) -> None:
     common.save_figure(path, draw, ncols=2, figsize=(13, 5))
 
 
-def main() -> None:
-    started = common.start(
-        __doc__,
-        "bench_det_gemm",
-        lambda p: (
-            p.add_argument("--sweep", action="store_true", help="tile-config sweep too"),
-            p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks"),
-            p.add_argument("--sweep-only", action="store_true", help="no benchmark after it"),
-            p.add_argument("--sweep-m", default="", help="sweep these M only (comma list)"),
-            p.add_argument(
-                "--sweep-shapes",
-                choices=("acceptance", "rollout"),
-                default="acceptance",
-                help="sweep the acceptance grid (8B projections, LM head) or the rollout "
-                "benchmark's ~1B Qwen2 projections",
-            ),
-        ),
+def _extra(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", action="store_true", help="tile-config sweep too")
+    p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks")
+    p.add_argument("--sweep-only", action="store_true", help="no benchmark after it")
+    p.add_argument("--sweep-m", default="", help="sweep these M only (comma list)")
+    p.add_argument(
+        "--sweep-shapes",
+        choices=("acceptance", "rollout"),
+        default="acceptance",
+        help="sweep the acceptance grid (8B projections, LM head) or the rollout "
+        "benchmark's ~1B Qwen2 projections",
     )
-    if started is None:
-        return
-    args, limits = started
+
+
+@common.gpu_main(__doc__, "bench_det_gemm", _extra)
+def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
     if args.sweep:
         sweep = run_sweep(args)
         common.write_json(args.out, "det_gemm_sweep", sweep)
