@@ -24,6 +24,12 @@ def check_tensor(name: str, t: Any, *, dims: int | tuple[int, ...] | None = None
             )
 
 
+def check_tensors(dims: int | tuple[int, ...] | None = None, /, **tensors: Any) -> None:
+    """:func:`check_tensor` of each of ``tensors`` (by name, in order), all of rank ``dims``."""
+    for name, t in tensors.items():
+        check_tensor(name, t, dims=dims)
+
+
 def check_float(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of {list(dtypes)}")
