@@ -13,10 +13,12 @@ checks that all of them give bitwise-equal outputs (``DIR/det_gemm_sweep.json``)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,11 +110,45 @@ def _bucket(m: int) -> str:
     return "tiny" if m <= 16 else "small" if m <= 64 else "mid" if m <= 512 else "large"
 
 
-def _inputs(m: int, k: int, n: int, dtype: torch.dtype):
+def gemm_inputs(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16):
+    """Seeded ``a`` [m, k] and ``b = w.t()`` [k, n] (the weight as ``nn.Linear`` stores it)."""
     g = torch.Generator(device="cuda").manual_seed(m * 7919 + n)
     a = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
     return a, w.t()
+
+
+def vs_cublas(a, b, quick: bool, ours: tuple[str, Any], *more: tuple[str, Any]) -> dict:
+    """``a @ b`` timed two ways (see ``common``: eager after an L2 flush, CUDA-graph replay over
+    cold operand copies) for ``ours`` (``(name, fn)``), cuBLAS (``torch.mm``) and ``more``
+    providers: ``<name>_us``, ``cublas_us``, ``ratio`` (cuBLAS / ours), the ``graph_`` three,
+    ``<name>_tflop_s`` and ``cublas_tflop_s``; each of ``more`` adds ``<n>_us``, ``<n>_ratio``
+    and their ``graph_`` pair (ratios vs cuBLAS too)."""
+    name, fn = ours
+    t_ours = common.bench(lambda: fn(a, b), quick=quick)
+    t_cublas = common.bench(lambda: torch.mm(a, b), quick=quick)
+    sets = common.cold_copies([a, b])
+    g_ours = common.bench_graph(fn, sets, quick=quick)
+    g_cublas = common.bench_graph(torch.mm, sets, quick=quick)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    row = {
+        f"{name}_us": t_ours,
+        "cublas_us": t_cublas,
+        "ratio": t_cublas / t_ours,
+        f"graph_{name}_us": g_ours,
+        "graph_cublas_us": g_cublas,
+        "graph_ratio": g_cublas / g_ours,
+        f"{name}_tflop_s": flops / t_ours / 1e6,
+        "cublas_tflop_s": flops / t_cublas / 1e6,
+    }
+    for n, f in more:
+        t, g = (
+            common.bench(lambda f=f: f(a, b), quick=quick),
+            common.bench_graph(f, sets, quick=quick),
+        )
+        row.update({f"{n}_us": t, f"{n}_ratio": t_cublas / t, f"graph_{n}_us": g,
+                    f"graph_{n}_ratio": g_cublas / g})  # fmt: skip
+    return row
 
 
 def run_bench(args, limits) -> list[dict]:
@@ -120,16 +156,11 @@ def run_bench(args, limits) -> list[dict]:
     ms = (1, 64, 512, 4096) if args.quick else M_VALUES
     for shape in GEMM_SHAPES:
         for m in ms:
-            a, b = _inputs(m, shape.k, shape.n, torch.bfloat16)
+            a, b = gemm_inputs(m, shape.k, shape.n)
             out = gemm_triton.det_gemm(a, b)
             ref = torch.mm(a, b)
             rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            t_ours = common.bench(lambda a=a, b=b: gemm_triton.det_gemm(a, b), quick=args.quick)
-            t_cublas = common.bench(lambda a=a, b=b: torch.mm(a, b), quick=args.quick)
-            sets = common.cold_copies([a, b])
-            g_ours = common.bench_graph(gemm_triton.det_gemm, sets, quick=args.quick)
-            g_cublas = common.bench_graph(torch.mm, sets, quick=args.quick)
-            del sets
+            r = vs_cublas(a, b, args.quick, ("triton", gemm_triton.det_gemm))
             flops = 2 * m * shape.k * shape.n
             nbytes = 2 * (m * shape.k + shape.k * shape.n + m * shape.n)
             cfg = gemm_config.get_config(m, shape.n, shape.k, torch.bfloat16)
@@ -140,25 +171,18 @@ def run_bench(args, limits) -> list[dict]:
                     "k": shape.k,
                     "n": shape.n,
                     "dtype": "bf16",
-                    "triton_us": t_ours,
-                    "cublas_us": t_cublas,
-                    "ratio": t_cublas / t_ours,
-                    "graph_triton_us": g_ours,
-                    "graph_cublas_us": g_cublas,
-                    "graph_ratio": g_cublas / g_ours,
-                    "triton_tflop_s": flops / t_ours / 1e6,
-                    "cublas_tflop_s": flops / t_cublas / 1e6,
-                    "triton_gb_s": nbytes / t_ours / 1e3,
+                    **r,
+                    "triton_gb_s": nbytes / r["triton_us"] / 1e3,
                     "intensity_flop_per_byte": flops / nbytes,
                     "rel_err_vs_cublas": rel,
                     "config": dataclasses.asdict(cfg),
                 }
             )
-            r = rows[-1]
             print(
-                f"{shape.name:22s} M={m:5d} triton {t_ours:9.1f} us  cublas {t_cublas:9.1f} us  "
-                f"ratio {r['ratio']:.3f}  {r['triton_tflop_s']:.0f} TFLOP/s | graph: triton "
-                f"{g_ours:9.1f} us  cublas {g_cublas:9.1f} us  ratio {r['graph_ratio']:.3f}",
+                f"{shape.name:22s} M={m:5d} triton {r['triton_us']:9.1f} us  cublas "
+                f"{r['cublas_us']:9.1f} us  ratio {r['ratio']:.3f}  {r['triton_tflop_s']:.0f} "
+                f"TFLOP/s | graph: triton {r['graph_triton_us']:9.1f} us  cublas "
+                f"{r['graph_cublas_us']:9.1f} us  ratio {r['graph_ratio']:.3f}",
                 flush=True,
             )
             del a, b, out, ref
@@ -179,7 +203,7 @@ def run_sweep(args) -> dict:
     for kc in kcs:
         for shape in _sweep_shapes(args):
             for m in ms:
-                a, b = _inputs(m, shape.k, shape.n, torch.bfloat16)
+                a, b = gemm_inputs(m, shape.k, shape.n)
                 table_cfg = gemm_config.get_config(m, shape.n, shape.k, torch.bfloat16)
                 cands = [table_cfg] + [c for c in _SWEEP[_bucket(m)] if c != table_cfg]
                 sets = common.cold_copies([a, b])
@@ -275,27 +299,22 @@ def plot(rows: list[dict], limits: dict, path: Path) -> None:
     common.save_figure(path, draw, ncols=2, figsize=(13, 5))
 
 
-def main() -> None:
-    started = common.start(
-        __doc__,
-        "bench_det_gemm",
-        lambda p: (
-            p.add_argument("--sweep", action="store_true", help="tile-config sweep too"),
-            p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks"),
-            p.add_argument("--sweep-only", action="store_true", help="no benchmark after it"),
-            p.add_argument("--sweep-m", default="", help="sweep these M only (comma list)"),
-            p.add_argument(
-                "--sweep-shapes",
-                choices=("acceptance", "rollout"),
-                default="acceptance",
-                help="sweep the acceptance grid (8B projections, LM head) or the rollout "
-                "benchmark's ~1B Qwen2 projections",
-            ),
-        ),
+def _extra(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", action="store_true", help="tile-config sweep too")
+    p.add_argument("--k-chunks", default=str(gemm_config.K_CHUNK), help="sweep K chunks")
+    p.add_argument("--sweep-only", action="store_true", help="no benchmark after it")
+    p.add_argument("--sweep-m", default="", help="sweep these M only (comma list)")
+    p.add_argument(
+        "--sweep-shapes",
+        choices=("acceptance", "rollout"),
+        default="acceptance",
+        help="sweep the acceptance grid (8B projections, LM head) or the rollout "
+        "benchmark's ~1B Qwen2 projections",
     )
-    if started is None:
-        return
-    args, limits = started
+
+
+@common.gpu_main(__doc__, "bench_det_gemm", _extra)
+def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
     if args.sweep:
         sweep = run_sweep(args)
         common.write_json(args.out, "det_gemm_sweep", sweep)

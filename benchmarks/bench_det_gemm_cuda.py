@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from bench_det_gemm import gemm_inputs, vs_cublas  # noqa: E402
 from shapes import CSRC_GEMM_SHAPES, M_VALUES  # noqa: E402
 
 from rl_engine.ops.det_gemm import config as gemm_config  # noqa: E402
@@ -35,35 +36,22 @@ def _extra(p) -> None:
     p.add_argument("--triton", action="store_true", help="also time the Triton provider")
 
 
-def _inputs(m: int, k: int, n: int):
-    g = torch.Generator(device="cuda").manual_seed(m * 7919 + n)
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
-    return a, w.t()
-
-
 def run(args) -> list[dict]:
     ours = gemm_cuda.det_gemm
-    tri = None
+    more = []
     if args.triton:
         from rl_engine.ops.det_gemm import triton as gemm_triton
 
-        tri = gemm_triton.det_gemm
+        more.append(("triton", gemm_triton.det_gemm))
     rows = []
     ms = (1, 64, 256, 4096) if args.quick else M_VALUES
     for shape in CSRC_GEMM_SHAPES:
         for m in ms:
-            a, b = _inputs(m, shape.k, shape.n)
+            a, b = gemm_inputs(m, shape.k, shape.n)
             out = ours(a, b)
             ref = torch.mm(a, b)
             rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             row0 = bool(torch.equal(ours(a[:1], b), out[:1]))
-            t_ours = common.bench(lambda a=a, b=b: ours(a, b), quick=args.quick)
-            t_cublas = common.bench(lambda a=a, b=b: torch.mm(a, b), quick=args.quick)
-            sets = common.cold_copies([a, b])
-            g_ours = common.bench_graph(ours, sets, quick=args.quick)
-            g_cublas = common.bench_graph(torch.mm, sets, quick=args.quick)
-            flops = 2 * m * shape.k * shape.n
             row = {
                 "shape": shape.name,
                 "m": m,
@@ -72,25 +60,8 @@ def run(args) -> list[dict]:
                 "config": gemm_config.get_cuda_config(m, shape.n, shape.k),
                 "rel_err_vs_cublas": rel,
                 "row0_alone_bitwise": row0,
-                "cuda_us": t_ours,
-                "cublas_us": t_cublas,
-                "ratio": t_cublas / t_ours,
-                "graph_cuda_us": g_ours,
-                "graph_cublas_us": g_cublas,
-                "graph_ratio": g_cublas / g_ours,
-                "cuda_tflops": flops / t_ours / 1e6,
-                "cublas_tflops": flops / t_cublas / 1e6,
+                **vs_cublas(a, b, args.quick, ("cuda", ours), *more),
             }
-            if tri is not None:
-                t_tri = common.bench(lambda a=a, b=b: tri(a, b), quick=args.quick)
-                g_tri = common.bench_graph(tri, sets, quick=args.quick)
-                row.update(
-                    triton_us=t_tri,
-                    triton_ratio=t_cublas / t_tri,
-                    graph_triton_us=g_tri,
-                    graph_triton_ratio=g_cublas / g_tri,
-                )
-            del sets
             rows.append(row)
             common.progress(
                 row,

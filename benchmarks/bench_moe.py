@@ -24,6 +24,7 @@ table.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -141,11 +142,8 @@ def _case(args, copy_tb_s, c, weights, vllm, t: int) -> dict:
     )
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_moe")
-    if started is None:
-        return
-    args, limits = started
+@common.gpu_main(__doc__, "bench_moe")
+def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
     c = QWEN3_30B_A3B_MOE
     vllm = _vllm()
     if vllm[2] is not None:

@@ -15,6 +15,7 @@ it) and its default implementation; rl_engine: the same block after ``hf.patch_m
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -59,11 +60,8 @@ def _fwd_bwd(block, x, g):
     return step
 
 
-def main() -> None:
-    started = common.start(__doc__, "bench_moe_train")
-    if started is None:
-        return
-    args, limits = started
+@common.gpu_main(__doc__, "bench_moe_train")
+def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
     from rl_engine.adapters import hf
 
     ts = (4096,) if args.quick else TS

@@ -385,6 +385,25 @@ def start(
     return args, load_or_measure_limits(args.out, quick=args.quick)
 
 
+def gpu_main(
+    doc: str, name: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> Callable[[Callable[[argparse.Namespace, dict[str, float]], None]], Callable[[], None]]:
+    """Decorator: a GPU benchmark's ``body(args, limits)`` as its no-argument ``main``, which
+    :func:`start`s first (``doc``, ``name``, ``extra`` as there) and runs nothing more without
+    a CUDA device."""
+
+    def wrap(body: Callable[[argparse.Namespace, dict[str, float]], None]) -> Callable[[], None]:
+        def main() -> None:
+            started = start(doc, name, extra)
+            if started is not None:
+                body(*started)
+
+        main.__doc__ = body.__doc__
+        return main
+
+    return wrap
+
+
 def op_main(
     doc: str,
     name: str,
@@ -400,11 +419,12 @@ def op_main(
     measured apart, by field name: rope's ``qk_rows``), and :func:`finish_op` of ``op`` with
     ``summarize(rows, **more)`` as the summary and ``fields`` (``baseline``, ``ratio``, ``bw``,
     ``plot``, ``digits``, ... as :func:`finish_op` takes them) followed by ``more``'s fields."""
-    started = start(doc, name)
-    if started is None:
-        return
-    args, limits = started
-    rows = run(args, limits["copy_tb_s"])
-    measured = more(args) if more is not None else {}
-    summary = summarize(rows, **measured)
-    finish_op(args, limits, op, summary=summary, rows=rows, **fields, **measured)
+
+    @gpu_main(doc, name)
+    def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
+        rows = run(args, limits["copy_tb_s"])
+        measured = more(args) if more is not None else {}
+        summary = summarize(rows, **measured)
+        finish_op(args, limits, op, summary=summary, rows=rows, **fields, **measured)
+
+    main()

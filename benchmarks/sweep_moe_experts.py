@@ -16,6 +16,7 @@ their times; writes ``DIR/moe_experts_sweep.json``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -121,11 +122,8 @@ def _sweep_t(t: int, c: dict, weights, quick: bool) -> dict:
     return row
 
 
-def main() -> None:
-    started = common.start(__doc__, "sweep_moe_experts")
-    if started is None:
-        return
-    args, _limits = started
+@common.gpu_main(__doc__, "sweep_moe_experts")
+def main(args: argparse.Namespace, _limits: dict[str, float]) -> None:
     c = QWEN3_30B_A3B_MOE
     g = torch.Generator(device="cuda").manual_seed(0)
     h, e, i = c["hidden"], c["experts"], c["ffn"]

@@ -27,6 +27,7 @@ definition; ``limits.json`` in DIR, measured when missing). Prints a table and w
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import time
@@ -176,14 +177,12 @@ def _name(cfg: Cfg | None, old: Any) -> str:
     return f"l{cfg.lanes}_w{cfg.warps}_u{cfg.unroll}"
 
 
-def main() -> None:
-    def extra(ap):
-        ap.add_argument("--old", default=None, help="triton.py of an earlier provider version")
+def _extra(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--old", default=None, help="triton.py of an earlier provider version")
 
-    started = common.start(__doc__, "sweep_poly_norm", extra)
-    if started is None:
-        return
-    args, limits = started
+
+@common.gpu_main(__doc__, "sweep_poly_norm", _extra)
+def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
     copy = limits["copy_tb_s"]
     tol = (tolerance(torch.bfloat16), tolerance(torch.bfloat16, grad=True))
     setups: list[tuple[Cfg | None, Any]] = [(c, None) for c in candidates()]

@@ -24,6 +24,12 @@ def check_tensor(name: str, t: Any, *, dims: int | tuple[int, ...] | None = None
             )
 
 
+def check_tensors(dims: int | tuple[int, ...] | None = None, /, **tensors: Any) -> None:
+    """:func:`check_tensor` of each of ``tensors`` (by name, in order), all of rank ``dims``."""
+    for name, t in tensors.items():
+        check_tensor(name, t, dims=dims)
+
+
 def check_float(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of {list(dtypes)}")
@@ -115,22 +121,41 @@ def register_op(
     entry: Any,
     native: tuple,
     stock: tuple | None = None,
+    extras: tuple[str, ...] | dict[str, str] = (),
+    fn: str | None = None,
 ) -> None:
     """Declare ``op`` with its public ``entry`` and its providers, in resolution order: the
-    PyTorch reference (``native``: ``(numerics, fn, extras)``; ``fn`` is also the op's
-    reference, the spec), then what the engines run today (``stock``, same form). The Triton
-    provider is added last, by :func:`register_triton` at the end of the op's package."""
+    PyTorch reference (``native``: ``(numerics, module)``, the op's ``reference`` module; its
+    function ``fn``, default ``op``, is also the op's reference, the spec), then what the
+    engines run today (``stock``: ``(numerics, module)``, a module with the same function
+    names). ``extras``: the providers' further functions, by key, the same in both modules: a
+    key ``k`` is the module's ``<fn>_<k>`` (``"backward"``: ``rms_norm_backward``), or a mapping
+    gives key -> function name where the name is another. The Triton provider is added last,
+    by :func:`register_triton` at the end of the op's package.
+
+    ``native`` / ``stock`` may also be given as ``(numerics, fn, extras)`` (the functions
+    themselves, no ``extras`` / ``fn`` arguments): the form of the ops that still spell them out
+    (``moe_experts``)."""
     from rl_engine.registry import KernelRegistry
 
-    numerics, fn, extras = native
-    KernelRegistry.register_op(op, entry=entry, reference=fn)
+    fn = fn or op
+    names = extras if isinstance(extras, dict) else {k: f"{fn}_{k}" for k in extras}
+
+    def functions(spec: tuple) -> tuple:
+        if len(spec) == 3:
+            return spec
+        numerics, module = spec
+        return numerics, getattr(module, fn), {k: getattr(module, n) for k, n in names.items()}
+
+    numerics, ref, ref_extras = functions(native)
+    KernelRegistry.register_op(op, entry=entry, reference=ref)
     KernelRegistry.register_provider(
-        native_provider(op=op, numerics=numerics, fn=fn, extras=extras)
+        native_provider(op=op, numerics=numerics, fn=ref, extras=ref_extras)
     )
     if stock is not None:
-        numerics, fn, extras = stock
+        numerics, stock_fn, stock_extras = functions(stock)
         KernelRegistry.register_provider(
-            stock_provider(op=op, numerics=numerics, fn=fn, extras=extras)
+            stock_provider(op=op, numerics=numerics, fn=stock_fn, extras=stock_extras)
         )
 
 

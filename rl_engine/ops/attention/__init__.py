@@ -252,16 +252,10 @@ def write_kv_cache(
 register_op(
     _OP,
     entry=registry_entry(attention, _run),
-    native=(
-        f"attention/native-t{reference.KV_TILE}",
-        reference.attention,
-        {
-            "attention_bwd": reference.attention_bwd,
-            "paged_attention": reference.paged_attention,
-            "paged_attention_out": reference.paged_attention_out,
-            "write_kv_cache": reference.write_kv_cache,
-        },
-    ),
+    native=(f"attention/native-t{reference.KV_TILE}", reference),
+    extras={
+        n: n for n in ("attention_bwd", "paged_attention", "paged_attention_out", "write_kv_cache")
+    },
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

@@ -46,6 +46,7 @@ from rl_engine.ops._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    check_tensors,
     tree_sum,
 )
 
@@ -97,8 +98,7 @@ def _check_attention(
     causal: bool,
 ) -> None:
     """Shape / dtype / device checks of ``attention`` (no data-dependent checks: no sync)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, dims=3)
+    check_tensors(3, q=q, k=k, v=v)
     check_float("q", q)
     check_same_dtype(q=q, k=k, v=v)
     _check_index("cu_seqlens", cu_seqlens, 1)
@@ -129,8 +129,7 @@ def _check_paged(
 ) -> None:
     """Shape / dtype / device checks of ``paged_attention`` (no data-dependent checks)."""
     check_tensor("q", q, dims=3)
-    check_tensor("k_cache", k_cache, dims=4)
-    check_tensor("v_cache", v_cache, dims=4)
+    check_tensors(4, k_cache=k_cache, v_cache=v_cache)
     check_float("q", q)
     check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
     _check_index("block_table", block_table, 2)
@@ -181,10 +180,8 @@ def _check_write(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    check_tensor("k", k, dims=3)
-    check_tensor("v", v, dims=3)
-    check_tensor("k_cache", k_cache, dims=4)
-    check_tensor("v_cache", v_cache, dims=4)
+    check_tensors(3, k=k, v=v)
+    check_tensors(4, k_cache=k_cache, v_cache=v_cache)
     check_float("k", k)
     check_same_dtype(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     _check_index("slot_mapping", slot_mapping, 1, _SLOT_DTYPES)

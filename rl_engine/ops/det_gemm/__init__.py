@@ -203,8 +203,9 @@ def det_gemm_cat(
 register_op(
     "det_gemm",
     entry=_entry,
-    native=("det_gemm/native-k16", reference.det_gemm, {"wgrad": reference.det_gemm_wgrad}),
-    stock=("det_gemm/stock-torch", stock.det_gemm, {"wgrad": stock.det_gemm_wgrad}),
+    native=("det_gemm/native-k16", reference),
+    stock=("det_gemm/stock-torch", stock),
+    extras=("wgrad",),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

@@ -21,10 +21,15 @@ _COL_TILE = 4096
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
-    from rl_engine.ops._common import check_float, check_same_device, check_same_dtype, check_tensor
+    from rl_engine.ops._common import (
+        check_float,
+        check_same_device,
+        check_same_dtype,
+        check_tensor,
+        check_tensors,
+    )
 
-    check_tensor("a", a, dims=2)
-    check_tensor("b", b, dims=2)
+    check_tensors(2, a=a, b=b)
     check_float("a", a)
     check_same_device(a=a, b=b, bias=bias)
     check_same_dtype(a=a, b=b)

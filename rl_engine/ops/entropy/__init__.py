@@ -54,16 +54,9 @@ def entropy(
 register_op(
     "entropy",
     entry=registry_entry(entropy, _run),
-    native=(
-        f"entropy/native-v{VOCAB_TILE}",
-        reference.entropy,
-        {"forward": reference.entropy_forward, "backward": reference.entropy_backward},
-    ),
-    stock=(
-        "entropy/stock-torch",
-        stock.entropy,
-        {"forward": stock.entropy_forward, "backward": stock.entropy_backward},
-    ),
+    native=(f"entropy/native-v{VOCAB_TILE}", reference),
+    stock=("entropy/stock-torch", stock),
+    extras=("forward", "backward"),
 )
 
 

@@ -101,11 +101,8 @@ def grouped_poly_norm(
 register_op(
     _OP,
     entry=registry_entry(grouped_poly_norm, _run),
-    native=(
-        "grouped_poly_norm/native",
-        reference.grouped_poly_norm,
-        {"backward": reference.grouped_poly_norm_backward},
-    ),
+    native=("grouped_poly_norm/native", reference),
+    extras=("backward",),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops._common import check_float, check_same_device, check_tensor
+from rl_engine.ops._common import check_float, check_same_device, check_tensor, check_tensors
 from rl_engine.ops.poly_norm import reference as poly
 
 
@@ -28,10 +28,7 @@ def _check(
     *,
     values: bool = True,
 ) -> None:
-    check_tensor("gate", gate, dims=2)
-    check_tensor("up", up, dims=2)
-    check_tensor("weight", weight, dims=2)
-    check_tensor("bias", bias, dims=2)
+    check_tensors(2, gate=gate, up=up, weight=weight, bias=bias)
     check_tensor("expert_ids", expert_ids, dims=1)
     check_float("gate", gate)
     check_float("weight", weight)

@@ -191,7 +191,8 @@ def grpo_loss(
 register_op(
     "grpo_loss",
     entry=registry_entry(grpo_loss, _run),
-    native=("grpo_loss/native", reference.grpo_loss, {"backward": reference.grpo_loss_backward}),
+    native=("grpo_loss/native", reference),
+    extras=("backward",),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

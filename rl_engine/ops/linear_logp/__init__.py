@@ -170,19 +170,9 @@ def _run(
 register_op(
     "linear_logp",
     entry=registry_entry(linear_logp, _run),
-    native=(
-        f"linear_logp/native-v{VOCAB_TILE}",
-        reference.linear_logp,
-        {
-            "forward": reference.linear_logp_forward,
-            "backward": reference.linear_logp_backward,
-        },
-    ),
-    stock=(
-        "linear_logp/stock-torch",
-        stock.linear_logp,
-        {"forward": stock.linear_logp_forward, "backward": stock.linear_logp_backward},
-    ),
+    native=(f"linear_logp/native-v{VOCAB_TILE}", reference),
+    stock=("linear_logp/stock-torch", stock),
+    extras=("forward", "backward"),
 )
 
 

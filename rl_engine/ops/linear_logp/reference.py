@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops._common import check_float, check_same_device, check_same_dtype, check_tensor
+from rl_engine.ops._common import (
+    check_float,
+    check_same_device,
+    check_same_dtype,
+    check_tensors,
+)
 from rl_engine.ops.logp.reference import (
     VOCAB_TILE,
     VocabLogSumExp,
@@ -58,8 +63,7 @@ VOCAB_CHUNK = 4 * VOCAB_TILE
 
 
 def _check(hidden: Any, weight: Any, tokens: Any, temperature: Any, return_entropy: Any) -> None:
-    check_tensor("hidden", hidden, dims=2)
-    check_tensor("weight", weight, dims=2)
+    check_tensors(2, hidden=hidden, weight=weight)
     check_float("hidden", hidden)
     check_tokens(tokens, hidden.shape[0])
     check_same_device(hidden=hidden, weight=weight, tokens=tokens)

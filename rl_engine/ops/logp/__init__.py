@@ -117,24 +117,9 @@ logp_at = reference.logp_at
 register_op(
     "logp",
     entry=registry_entry(logp, _run),
-    native=(
-        f"logp/native-v{reference.VOCAB_TILE}",
-        reference.logp,
-        {
-            "forward": reference.logp_forward,
-            "backward": reference.logp_backward,
-            "sampled": reference.sampled_forward,
-        },
-    ),
-    stock=(
-        "logp/stock-torch",
-        stock.logp,
-        {
-            "forward": stock.logp_forward,
-            "backward": stock.logp_backward,
-            "sampled": stock.sampled_forward,
-        },
-    ),
+    native=(f"logp/native-v{reference.VOCAB_TILE}", reference),
+    stock=("logp/stock-torch", stock),
+    extras={"forward": "logp_forward", "backward": "logp_backward", "sampled": "sampled_forward"},
 )
 
 

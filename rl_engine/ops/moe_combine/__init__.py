@@ -107,11 +107,8 @@ def moe_combine(
 register_op(
     _OP,
     entry=registry_entry(moe_combine, _run),
-    native=(
-        "moe_combine/native",
-        reference.moe_combine,
-        {"backward": reference.moe_combine_backward},
-    ),
+    native=("moe_combine/native", reference),
+    extras=("backward",),
 )
 
 # The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).

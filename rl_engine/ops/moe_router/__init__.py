@@ -139,7 +139,9 @@ def moe_router(
 register_op(
     _OP,
     entry=registry_entry(moe_topk, _run),
-    native=("moe_router/native", reference.moe_topk, {"backward": reference.moe_topk_backward}),
+    native=("moe_router/native", reference),
+    extras=("backward",),
+    fn="moe_topk",
 )
 
 # The Triton provider (one launch; the reference's bits; cuda, cpu through the interpreter).

@@ -162,14 +162,8 @@ def fused_mul_poly_norm(
 register_op(
     _OP,
     entry=_entry,
-    native=(
-        "poly_norm/native",
-        reference.poly_norm,
-        {
-            "fused_mul": reference.fused_mul_poly_norm,
-            "backward": reference.poly_norm_backward,
-        },
-    ),
+    native=("poly_norm/native", reference),
+    extras={"fused_mul": "fused_mul_poly_norm", "backward": "poly_norm_backward"},
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

@@ -43,6 +43,7 @@ from rl_engine.ops._common import (
     check_float,
     check_same_device,
     check_tensor,
+    check_tensors,
     tree_sum,
 )
 
@@ -57,8 +58,7 @@ def _check(
     mul: torch.Tensor | None = None,
 ) -> None:
     check_tensor("x", x)
-    check_tensor("weight", weight, dims=1)
-    check_tensor("bias", bias, dims=1)
+    check_tensors(1, weight=weight, bias=bias)
     if x.dim() < 1:
         raise ValueError("poly_norm: x must have at least 1 dim ([..., H]), got a scalar")
     check_float("x", x)

@@ -203,7 +203,8 @@ def ratio_kl(
 register_op(
     "ratio_kl",
     entry=registry_entry(ratio_kl, _run),
-    native=("ratio_kl/native", reference.ratio_kl, {"backward": reference.ratio_kl_backward}),
+    native=("ratio_kl/native", reference),
+    extras=("backward",),
 )
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.

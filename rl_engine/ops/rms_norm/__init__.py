@@ -282,16 +282,9 @@ def rms_norm(
 register_op(
     _OP,
     entry=registry_entry(rms_norm, _run),
-    native=(
-        "rms_norm/native-tree",
-        reference.rms_norm,
-        {"dx": reference.rms_norm_dx, "wgrad": reference.rms_norm_wgrad},
-    ),
-    stock=(
-        "rms_norm/stock-torch",
-        stock.rms_norm,
-        {"dx": stock.rms_norm_dx, "wgrad": stock.rms_norm_wgrad},
-    ),
+    native=("rms_norm/native-tree", reference),
+    stock=("rms_norm/stock-torch", stock),
+    extras=("dx", "wgrad"),
 )
 
 

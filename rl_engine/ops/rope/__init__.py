@@ -175,24 +175,9 @@ def _run(x, positions, theta, rotary_dim, is_neox, scaling, provider: str) -> to
 register_op(
     _OP,
     entry=registry_entry(rope, _run),
-    native=(
-        "rope/native-f64table",
-        reference.rope,
-        {
-            "backward": reference.rope_backward,
-            "qk": reference.rope_qk,
-            "qk_backward": reference.rope_qk_backward,
-        },
-    ),
-    stock=(
-        "rope/stock-torch",
-        stock.rope,
-        {
-            "backward": stock.rope_backward,
-            "qk": reference.on_q_and_k(stock.rope),
-            "qk_backward": reference.on_q_and_k(stock.rope_backward, ("grad_q", "grad_k")),
-        },
-    ),
+    native=("rope/native-f64table", reference),
+    stock=("rope/stock-torch", stock),
+    extras=("backward", "qk", "qk_backward"),
 )
 
 

@@ -38,3 +38,8 @@ def rope(*args: Any) -> torch.Tensor:
 @signature_of(reference.rope_backward)
 def rope_backward(*args: Any) -> torch.Tensor:
     return _rope(*args, inverse=True)
+
+
+# both rotations in one call, as the reference's (the stock provider's ``qk`` extras)
+rope_qk = reference.on_q_and_k(rope)
+rope_qk_backward = reference.on_q_and_k(rope_backward, ("grad_q", "grad_k"))

@@ -80,16 +80,9 @@ def silu_and_mul(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
 register_op(
     _OP,
     entry=registry_entry(silu_and_mul, _run),
-    native=(
-        "silu_and_mul/native-f64",
-        reference.silu_and_mul,
-        {"backward": reference.silu_and_mul_backward},
-    ),
-    stock=(
-        "silu_and_mul/stock-torch",
-        stock.silu_and_mul,
-        {"backward": stock.silu_and_mul_backward},
-    ),
+    native=("silu_and_mul/native-f64", reference),
+    stock=("silu_and_mul/stock-torch", stock),
+    extras=("backward",),
 )
 
 
