@@ -92,8 +92,7 @@ def _rollout(
         engine: dict[str, Any] = dict(gpu_memory_utilization=0.3)
     else:
         engine = dict(enforce_eager=True, kv_cache_memory_bytes=32 << 20)
-    engine.update(extra or {})
-    llm = LLM(
+    args: dict[str, Any] = dict(
         model=model,
         tensor_parallel_size=tp,
         enable_expert_parallel=ep,
@@ -106,6 +105,8 @@ def _rollout(
         logprobs_mode="processed_logprobs",
         **engine,
     )
+    args.update(extra or {})  # a variant's engine arguments win (e.g. enable_expert_parallel)
+    llm = LLM(**args)
     params = [
         SamplingParams(temperature=TEMPERATURE, max_tokens=NEW_TOKENS, logprobs=0, seed=i)
         for i in range(len(PROMPTS))
