@@ -37,7 +37,7 @@ Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:class:`Exchange
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -532,31 +532,45 @@ def _provider_fn(name: str):
     return fn
 
 
-def _register() -> None:
+def register_grouped(
+    op: str,
+    base: str,
+    *,
+    entry: Callable[..., Any],
+    reference: Callable[..., Any],
+    fn: Callable[[str], Callable[..., Any]],
+    available: Callable[[str, Any], Any] | None = None,
+) -> None:
+    """Register the grouped (TP-invariant) op ``op`` of the op ``base``: one provider per
+    invariant ``base`` provider not registered yet, same name, devices, dtypes, version and
+    opt-in, numerics ``{op}/g{TP_GROUPS}[<base provider's family>]``, function ``fn(name)``,
+    availability the base provider's (``available(name, base's)``: a narrower one)."""
     from rl_engine.registry import Provider
 
-    def entry(a, b, bias=None, *, provider: str):
-        return det_gemm_tp(a, b, bias, backend=provider)
-
-    KernelRegistry.register_op("det_gemm_tp", entry=entry, reference=_reference)
-    have = {p.name for p in KernelRegistry.providers("det_gemm_tp")}
-    for prov in KernelRegistry.providers("det_gemm"):
+    KernelRegistry.register_op(op, entry=entry, reference=reference)
+    have = {p.name for p in KernelRegistry.providers(op)}
+    for prov in KernelRegistry.providers(base):
         if not prov.invariant or prov.name in have:
             continue
+        avail = prov.available if available is None else available(prov.name, prov.available)
         KernelRegistry.register_provider(
             Provider(
-                op="det_gemm_tp",
+                op=op,
                 name=prov.name,
                 devices=prov.devices,
                 dtypes=prov.dtypes,
                 invariant=True,
-                numerics=f"det_gemm_tp/g{TP_GROUPS}[{prov.numerics}]",
-                fn=_provider_fn(prov.name),
+                numerics=f"{op}/g{TP_GROUPS}[{prov.numerics}]",
+                fn=fn(prov.name),
                 version=prov.version,
-                available=prov.available,
+                available=avail,
                 opt_in=prov.opt_in,
             )
         )
 
 
-_register()
+def _entry(a, b, bias=None, *, provider: str):
+    return det_gemm_tp(a, b, bias, backend=provider)
+
+
+register_grouped("det_gemm_tp", "det_gemm", entry=_entry, reference=_reference, fn=_provider_fn)

@@ -136,10 +136,11 @@ _grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup_co
 
 def _run(x: Any, ids: Any, w13: Any, w2: Any, expert_map: Any, groups: Any,
          provider: str) -> torch.Tensor:  # fmt: skip
-    reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
+    reference._check(
+        x, ids, w13, w2, expert_map, groups=groups, values=not torch.compiler.is_compiling()
+    )
     if groups is None:
         return _experts_op(x, ids, w13, w2, expert_map, provider)
-    reference.check_groups(w2, groups)
     provider = tp.resolve(x.device.type, provider)
     return _grouped_op(x, ids, w13, w2, expert_map, groups, provider)
 
@@ -210,8 +211,9 @@ def moe_experts_subtree(
     """
     check_tensor("x", x)
     provider = tp.resolve(x.device.type, backend)
-    reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
-    reference.check_groups(w2, groups)
+    reference._check(
+        x, ids, w13, w2, expert_map, groups=groups, values=not torch.compiler.is_compiling()
+    )
     return _subtree_op(x, ids, w13, w2, groups, expert_map, provider)
 
 

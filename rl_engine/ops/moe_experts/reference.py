@@ -88,8 +88,9 @@ def check_groups(w2: torch.Tensor, groups: int) -> None:
     inter = w2.shape[-1]
     if inter % groups:
         raise ValueError(
-            f"moe_experts: the intermediate size {inter} of w2 {tuple(w2.shape)} does not "
-            f"split into {groups} equal groups (the TP-invariant down product)"
+            f"moe_experts: the intermediate size {inter} of w2 {tuple(w2.shape)} is not a "
+            f"multiple of {groups}: it does not split into {groups} equal groups (the "
+            "TP-invariant down product)"
         )
 
 
@@ -100,9 +101,12 @@ def _check(
     w2: torch.Tensor,
     expert_map: torch.Tensor | None,
     *,
+    groups: int | None = None,
     values: bool = True,
 ) -> None:
-    """Shapes, dtypes and devices; ``values``: also the id ranges (not in a fake / trace)."""
+    """Shapes, dtypes and devices; ``groups``: also the grouped form's group count
+    (:func:`check_groups`; ``None``: the plain form); ``values``: also the id ranges (not in a
+    fake / trace)."""
     check_tensor("x", x, dims=2)
     check_tensor("ids", ids, dims=2)
     check_tensor("w13", w13, dims=3)
@@ -132,6 +136,8 @@ def _check(
                 f"moe_experts: expert_map must be int32 / int64, got {expert_map.dtype}"
             )
         n_global = expert_map.shape[0]
+    if groups is not None:
+        check_groups(w2, groups)
     if not values or ids.numel() == 0:
         return
     msg = f"moe_experts: expert ids must be in [0, {n_global})"
@@ -266,8 +272,7 @@ def moe_experts_subtree(
     Returns:
         [T, k, H] float32 (not rounded: combine the ranks', then round once).
     """
-    _check(x, ids, w13, w2, expert_map)
-    check_groups(w2, groups)
+    _check(x, ids, w13, w2, expert_map, groups=groups)
     return experts_subtree(x, ids, w13, w2, groups, expert_map, _native())
 
 

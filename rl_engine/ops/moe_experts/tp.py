@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.ops._common import signature_of
 from rl_engine.ops.det_gemm import tp as dtp
 from rl_engine.ops.det_gemm.tp import TP_GROUPS
 from rl_engine.ops.moe_experts import reference
@@ -137,8 +138,9 @@ def moe_experts_tp(
         [T, k, H] in ``x.dtype``, the same on every rank of the group.
     """
     provider = resolve(x.device.type, backend)
-    reference._check(x, ids, w13, w2, expert_map, values=not torch.compiler.is_compiling())
-    reference.check_groups(w2, groups)
+    reference._check(
+        x, ids, w13, w2, expert_map, groups=groups, values=not torch.compiler.is_compiling()
+    )
     return _moe_experts_tp_op(x, ids, w13, w2, expert_map, groups, exchange, provider)
 
 
@@ -154,27 +156,18 @@ def _grouped(x, ids, w13, w2, expert_map, provider: str) -> torch.Tensor:
                        backend=provider)  # fmt: skip
 
 
-def _reference(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
+@signature_of(reference.moe_experts)
+def _reference(*args) -> torch.Tensor:
     """``moe_experts(x, ids, w13, w2, expert_map=expert_map, groups=TP_GROUPS)``, native."""
+    x, ids, w13, w2, expert_map = args
     sub = reference.moe_experts_subtree(x, ids, w13, w2, TP_GROUPS, expert_map)
     return dtp.finish(sub, None, x.dtype)
 
 
 def _provider_fn(name: str):
-    def fn(
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        expert_map: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return _grouped(x, ids, w13, w2, expert_map, name)
+    @signature_of(reference.moe_experts)
+    def fn(*args) -> torch.Tensor:
+        return _grouped(*args, name)
 
     return fn
 
@@ -190,28 +183,5 @@ def _entry(x, ids, w13, w2, expert_map=None, *, provider: str):
     return _grouped(x, ids, w13, w2, expert_map, provider)
 
 
-def _register() -> None:
-    from rl_engine.registry import Provider
-
-    KernelRegistry.register_op(_TP_OP, entry=_entry, reference=_reference)
-    have = {p.name for p in KernelRegistry.providers(_TP_OP)}
-    for prov in KernelRegistry.providers(_OP):
-        if not prov.invariant or prov.name in have:
-            continue
-        KernelRegistry.register_provider(
-            Provider(
-                op=_TP_OP,
-                name=prov.name,
-                devices=prov.devices,
-                dtypes=prov.dtypes,
-                invariant=True,
-                numerics=f"moe_experts_tp/g{TP_GROUPS}[{prov.numerics}]",
-                fn=_provider_fn(prov.name),
-                version=prov.version,
-                available=_available(prov.name, prov.available),
-                opt_in=prov.opt_in,
-            )
-        )
-
-
-_register()
+dtp.register_grouped(_TP_OP, _OP, entry=_entry, reference=_reference, fn=_provider_fn,
+                     available=_available)  # fmt: skip

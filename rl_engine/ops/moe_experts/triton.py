@@ -59,7 +59,6 @@ import torch
 from rl_engine.ops import _triton as _tr
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
-from rl_engine.ops.det_gemm import tp as _tp
 from rl_engine.ops.det_gemm.config import INTERPRETER_BLOCK_K, K_CHUNK, WGRAD_CHUNK
 from rl_engine.ops.moe_experts import reference
 from rl_engine.ops.moe_experts.reference import _check, sum_slots
@@ -656,14 +655,8 @@ def moe_experts(*args: Any) -> torch.Tensor:
 _SUBTREE_MAX_GROUPS = 32
 
 
-def moe_experts_subtree(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    groups: int,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
+@signature_of(reference.moe_experts_subtree)
+def moe_experts_subtree(*args: Any) -> torch.Tensor:
     """The experts' down projection as this rank's fp32 subtree of the TP-invariant reduction
     (expert tensor parallelism: each rank holds ``I / t`` of every expert's FFN).
 
@@ -676,7 +669,7 @@ def moe_experts_subtree(
     rows per expert as the forward's, never changes the order). The forward's launches, kernel
     2 with ``GROUPS``: no host sync, CUDA-graph capturable.
 
-    Args:
+    Args (the reference's, ``(x, ids, w13, w2, groups, expert_map=None)``):
         x: [T, H] float32 / bfloat16 / float16.
         ids: [T, k] global expert ids.
         w13: [E, 2I, H] this rank's gate rows then up rows; w2: [E, H, I] (any strides).
@@ -687,10 +680,8 @@ def moe_experts_subtree(
     Returns:
         fp32 [T, k, H].
     """
-    _check(x, ids, w13, w2, expert_map, values=False)
-    if not isinstance(groups, int) or isinstance(groups, bool):
-        raise TypeError(f"moe_experts subtree: groups must be an int, got {type(groups).__name__}")
-    _tp.check_split(w2.shape[2], 1, what="moe_experts subtree", groups=groups)
+    x, ids, w13, w2, groups, expert_map = args
+    _check(x, ids, w13, w2, expert_map, groups=groups, values=False)
     if groups > _SUBTREE_MAX_GROUPS:
         raise ValueError(
             f"moe_experts subtree: {groups} groups; the Triton kernel takes at most "
