@@ -316,17 +316,24 @@ def _moe_router(device: str) -> None:
     assert_bitwise(moe_topk(tie, 3)[1], torch.tensor([[0, 1, 2]], device=device), "tie rule")
 
 
+def _experts_inputs(device: str, inter: int) -> tuple[torch.Tensor, ...]:
+    """``(x [9, 32], ids [9, 2], w13 [4, 2 * inter, 32], w2 [4, 32, inter])`` bf16, seeded."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
+    w13 = 0.2 * torch.randn(4, 2 * inter, 32, generator=g)
+    w2 = 0.2 * torch.randn(4, 32, inter, generator=g)
+    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
+    w13, w2 = (w.to(device=device, dtype=torch.bfloat16) for w in (w13, w2))
+    return x, ids, w13, w2
+
+
 def _moe_experts(device: str) -> None:
     """Every output row == its expert MLP alone, bitwise (``rl-engine check``)."""
     from rl_engine.ops.det_gemm import det_gemm
     from rl_engine.ops.moe_experts import moe_experts
     from rl_engine.ops.silu_and_mul import silu_and_mul
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
-    w13 = (0.2 * torch.randn(4, 48, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
-    w2 = (0.2 * torch.randn(4, 32, 24, generator=g)).to(device=device, dtype=torch.bfloat16)
-    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
+    x, ids, w13, w2 = _experts_inputs(device, inter=24)
     y = moe_experts(x, ids, w13, w2)
     t, s = 5, 1
     e = int(ids[t, s])
@@ -339,11 +346,7 @@ def _moe_experts_tp(device: str) -> None:
     from rl_engine.ops.det_gemm.tp import combine, finish
     from rl_engine.ops.moe_experts import moe_experts, moe_experts_subtree
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(9, 32, generator=g).to(device=device, dtype=torch.bfloat16)
-    w13 = (0.2 * torch.randn(4, 64, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
-    w2 = (0.2 * torch.randn(4, 32, 32, generator=g)).to(device=device, dtype=torch.bfloat16)
-    ids = torch.randint(0, 4, (9, 2), generator=g).to(device)
+    x, ids, w13, w2 = _experts_inputs(device, inter=32)
     full = moe_experts(x, ids, w13, w2, groups=8)
     gate, up = w13.chunk(2, dim=1)
     for tp in (2, 4):
