@@ -8,14 +8,17 @@ import argparse
 import math
 import os
 import shutil
-from collections.abc import Callable
-from typing import Any
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 # the Hugging Face architectures both sides (vLLM plugin, trainer adapters) support
 from rl_engine.adapters import SUPPORTED_ARCHS  # the one list
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
+R = TypeVar("R")
 
 
 def add_subcommand(sub: Any, name: str, summary: str, add_arguments: AddArguments, run: Run):
@@ -71,6 +74,41 @@ def check_temperature(value: float, error: type[Exception]) -> None:
     for library callers and trust it from there)."""
     if not (value > 0 and math.isfinite(value)):
         raise error(f"--temperature must be > 0, got {value}")
+
+
+def run_in_workdir(
+    prog: str,
+    prefix: str,
+    compute: Callable[[str], R],
+    finish: Callable[[R, str], int],
+    *,
+    input_error: tuple[type[Exception], int],
+    failures: Sequence[tuple[type[Exception], Callable[[Any], int]]] = (),
+    internal_exit: int | None = None,
+) -> int:
+    """A subcommand's run in a fresh temporary ``workdir`` (``prefix``): ``compute(workdir)``,
+    then ``finish(result, workdir)`` (writes the outputs while ``workdir`` exists; its exit code).
+    ``input_error`` (type, exit code): printed as ``prog: error: ...``; ``failures``: (type,
+    ``handle(exc)`` -> exit code); any other exception: with ``internal_exit`` its traceback and
+    ``prog: internal error`` (that exit code), else raised."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        try:
+            result = compute(workdir)
+        except input_error[0] as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return input_error[1]
+        except Exception as exc:
+            for kind, handle in failures:
+                if isinstance(exc, kind):
+                    return handle(exc)
+            if internal_exit is None:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            print(f"{prog}: internal error (a bug: please report it)", file=sys.stderr)
+            return internal_exit
+        return finish(result, workdir)
 
 
 def write_figure(draw: Callable[[str], None], workdir: str, out_dir: str, name: str) -> None:

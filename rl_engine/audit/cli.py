@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -682,45 +681,48 @@ def _localize_text(name: str, loc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out_dir = os.path.abspath(args.out)
-    with tempfile.TemporaryDirectory(prefix="rl_engine_audit_") as workdir:
-        try:
-            report = _audit(args, workdir)
-        except AuditInputError as exc:
-            print(f"rl-engine audit: error: {exc}", file=sys.stderr)
-            return EXIT_INPUT
-        except AuditWorkerError as exc:
-            _report_worker_failure(exc, out_dir)
-            return EXIT_WORKER
-        except Exception:
-            import traceback
 
-            traceback.print_exc()
-            print("rl-engine audit: internal error (a bug: please report it)", file=sys.stderr)
-            return EXIT_INTERNAL
-        table = _table(report)
-        problems = _gate(report)
-        report["gate"] = {"passed": not problems, "problems": problems}
-        deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
+    def worker_failed(exc: AuditWorkerError) -> int:
+        _report_worker_failure(exc, out_dir)
+        return EXIT_WORKER
 
-        def drift(path: str) -> None:
-            plots.drift_figure(report, deltas, path)
+    return _cli_common.run_in_workdir(
+        "rl-engine audit",
+        "rl_engine_audit_",
+        lambda workdir: _audit(args, workdir),
+        lambda report, workdir: _finish(args, report, out_dir, workdir),
+        input_error=(AuditInputError, EXIT_INPUT),
+        failures=[(AuditWorkerError, worker_failed)],
+        internal_exit=EXIT_INTERNAL,
+    )
 
-        def localize(path: str) -> None:
-            plots.localize_figure(report, path)
 
-        figures = [("drift.png", drift)]
-        if any("localize" in m for m in report["configurations"].values()):
-            figures.append(("localize.png", localize))
-        written = _cli_common.write_outputs(
-            "rl-engine audit",
-            out_dir,
-            workdir,
-            [
-                ("report.json", json.dumps(report, indent=1)),
-                ("report.md", _markdown(report, table)),
-            ],
-            figures,
-        )
+def _finish(args: argparse.Namespace, report: dict[str, Any], out_dir: str, workdir: str) -> int:
+    """The report written, printed and gated (``run``'s, inside its ``workdir``)."""
+    table = _table(report)
+    problems = _gate(report)
+    report["gate"] = {"passed": not problems, "problems": problems}
+    deltas = {n: m.pop("_abs_delta") for n, m in report["configurations"].items()}
+
+    def drift(path: str) -> None:
+        plots.drift_figure(report, deltas, path)
+
+    def localize(path: str) -> None:
+        plots.localize_figure(report, path)
+
+    figures = [("drift.png", drift)]
+    if any("localize" in m for m in report["configurations"].values()):
+        figures.append(("localize.png", localize))
+    written = _cli_common.write_outputs(
+        "rl-engine audit",
+        out_dir,
+        workdir,
+        [
+            ("report.json", json.dumps(report, indent=1)),
+            ("report.md", _markdown(report, table)),
+        ],
+        figures,
+    )
     print(table)
     for name, m in report["configurations"].items():
         if "localize" in m:

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -242,34 +241,42 @@ def _loop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     }
 
 
+def _worker_failed(exc: WorkerError) -> int:
+    event = exc.event or {}
+    if event.get("kind") in ("reward", "weight_sync"):
+        print(f"rl-engine grpo: stopped: {event['message']}", file=sys.stderr)
+    else:
+        print(f"rl-engine grpo: a worker failed: {exc}", file=sys.stderr)
+    return 3
+
+
 def run(args: argparse.Namespace) -> int:
     out_dir = os.path.abspath(args.out)
-    with tempfile.TemporaryDirectory(prefix="rl_engine_grpo_") as workdir:
-        try:
-            report = _loop(args, workdir)
-        except GRPOInputError as exc:
-            print(f"rl-engine grpo: error: {exc}", file=sys.stderr)
-            return 2
-        except WorkerError as exc:
-            event = exc.event or {}
-            if event.get("kind") in ("reward", "weight_sync"):
-                print(f"rl-engine grpo: stopped: {event['message']}", file=sys.stderr)
-            else:
-                print(f"rl-engine grpo: a worker failed: {exc}", file=sys.stderr)
-            return 3
+    return _cli_common.run_in_workdir(
+        "rl-engine grpo",
+        "rl_engine_grpo_",
+        lambda workdir: _loop(args, workdir),
+        lambda report, workdir: _finish(args, report, out_dir, workdir),
+        input_error=(GRPOInputError, 2),
+        failures=[(WorkerError, _worker_failed)],
+    )
 
-        def figure(path: str) -> None:  # plots import matplotlib: inside, after the numbers
-            from rl_engine.grpo.plots import grpo_figure
 
-            grpo_figure(report, path)
+def _finish(args: argparse.Namespace, report: dict[str, Any], out_dir: str, workdir: str) -> int:
+    """The report written (figure staged in ``workdir``) and summarised (``run``'s)."""
 
-        written = _cli_common.write_outputs(
-            "rl-engine grpo",
-            out_dir,
-            workdir,
-            [("grpo.json", json.dumps(report, indent=1))],
-            [("grpo.png", figure)],
-        )
+    def figure(path: str) -> None:  # plots import matplotlib: inside, after the numbers
+        from rl_engine.grpo.plots import grpo_figure
+
+        grpo_figure(report, path)
+
+    written = _cli_common.write_outputs(
+        "rl-engine grpo",
+        out_dir,
+        workdir,
+        [("grpo.json", json.dumps(report, indent=1))],
+        [("grpo.png", figure)],
+    )
     print()
     for name, res in report["configurations"].items():
         s = res["summary"]
