@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl_engine import config
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -21,7 +21,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 
 def test_arg_spec_separates_what_triton_specializes_on():
-    spec = _tr._arg_spec
+    spec = _triton._arg_spec
     # integers: 1 (and -1 / 0) by value; otherwise divisibility by 16 and width
     assert len({spec(v) for v in (1, 0, -1, 2, 16)}) == 5
     assert spec(32) == spec(4096) and spec(3) == spec(4097)
@@ -36,7 +36,7 @@ def test_arg_spec_separates_what_triton_specializes_on():
 
 def test_cpu_tensors_take_the_interpreter():
     kern = _toy_kernel()
-    assert not isinstance(_tr.launcher(kern, torch.device("cpu")), _tr.Launcher)
+    assert not isinstance(_triton.launcher(kern, torch.device("cpu")), _triton.Launcher)
 
 
 def _toy_kernel():
@@ -69,7 +69,7 @@ def test_gpu_cached_launch_matches_triton(check, monkeypatch):
     config.reload()
     try:
         kern = _toy_kernel()
-        lau = _tr.launcher(kern, torch.device("cuda"))
+        lau = _triton.launcher(kern, torch.device("cuda"))
         base = torch.randn(4096 + 64, device="cuda")
         cases = [  # (offset, n, stride): aligned / misaligned pointers, n and stride 1 / 16 / odd
             (0, 4096, 1),
@@ -83,9 +83,9 @@ def test_gpu_cached_launch_matches_triton(check, monkeypatch):
             for off, n, stride in cases:
                 x = base[off:]
                 out = torch.empty(n, device="cuda")
-                lau[(_tr.cdiv(n, 256),)](x, out, n, stride, 0.5, BLOCK=256, num_warps=4)
+                lau[(_triton.cdiv(n, 256),)](x, out, n, stride, 0.5, BLOCK=256, num_warps=4)
                 want = torch.empty(n, device="cuda")
-                kern[(_tr.cdiv(n, 256),)](x, want, n, stride, 0.5, BLOCK=256, num_warps=4)
+                kern[(_triton.cdiv(n, 256),)](x, want, n, stride, 0.5, BLOCK=256, num_warps=4)
                 assert torch.equal(out, want), (off, n, stride)
                 assert torch.equal(out, x[: n * stride : stride] * 0.5), (off, n, stride)
         assert len(lau._kernels) == len(cases)  # each case differs in a specialization
@@ -99,7 +99,7 @@ def test_gpu_check_mode_catches_a_coarse_key(check_mode, monkeypatch):
     """A key that misses the pointer alignment would launch the aligned kernel on a misaligned
     pointer; the check mode raises instead."""
     kern = _toy_kernel()
-    lau = _tr.Launcher(kern)
+    lau = _triton.Launcher(kern)
     monkeypatch.setattr(_tr, "_arg_spec", lambda v: 0)  # a key that distinguishes nothing
     base = torch.randn(1024 + 64, device="cuda")
     out = torch.empty(1024, device="cuda")
@@ -122,7 +122,7 @@ def test_gpu_launch_leaving_a_defaulted_parameter_is_cached(check_mode):
             v = v * 2.0
         tl.store(out_ptr + offs, v, mask=offs < n)
 
-    lau = _tr.Launcher(_copy_maybe_twice)
+    lau = _triton.Launcher(_copy_maybe_twice)
     x = torch.randn(1000, device="cuda")
     for twice in (None, None, True, True):
         out = torch.empty_like(x)
@@ -131,7 +131,7 @@ def test_gpu_launch_leaving_a_defaulted_parameter_is_cached(check_mode):
         assert used is not None, "the launch was not cached"
         assert torch.equal(out, x * 2.0 if twice else x)
     assert len(lau._kernels) == 2 and all(e is not None for e in lau._kernels.values())
-    step = _tr.Prepared(lau, (4,), (1000,), dict(BLOCK=256, num_warps=4))
+    step = _triton.Prepared(lau, (4,), (1000,), dict(BLOCK=256, num_warps=4))
     out = torch.empty_like(x)
     step(x, out)
     step(x, out)  # the prepared path, with the default taken from the kernel

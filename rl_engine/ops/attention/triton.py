@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.attention import reference
@@ -782,11 +782,11 @@ if triton is not None:
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
 def _check_device(t: torch.Tensor) -> None:
-    _tr.check_device("attention", t)
+    _triton.check_device("attention", t)
 
 
 def _check_query(q: torch.Tensor) -> None:
@@ -806,7 +806,7 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("attention[triton]: the caches need a unit stride on head_dim")
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:
@@ -868,7 +868,7 @@ def _launch_fwd(
     # split programs: decode-sized paged calls (a shape-only choice, CUDA-graph friendly)
     n_split = 0
     if split_tiles and paged:
-        n_split = _tr.cdiv(block_table.shape[1] * page_size, split_tiles * cfg.block_n)
+        n_split = _triton.cdiv(block_table.shape[1] * page_size, split_tiles * cfg.block_n)
         if n_split * t * hq * block_d * 4 > SPLIT_PARTIAL_BYTES:
             n_split = 0
     part_ml, part_acc = out, out  # not read unless n_split
@@ -1065,7 +1065,7 @@ def attention_bwd(
     common = dict(G=g, HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal)
     with _guard(q):
         if "delta" in kernels:
-            _kernel("_attention_bwd_delta_kernel", q.device)[(_tr.cdiv(t * hq, block_r),)](
+            _kernel("_attention_bwd_delta_kernel", q.device)[(_triton.cdiv(t * hq, block_r),)](
                 out,
                 dout,
                 delta,
@@ -1109,7 +1109,7 @@ def attention_bwd(
     return dq, dk, dv
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics="attention/triton",
     fn=attention,
     version="2",

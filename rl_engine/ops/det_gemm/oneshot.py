@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._triton import tl, triton
 
 __all__ = ["ONESHOT_MAX_BYTES", "OneShot", "for_group", "unavailable_reason"]
@@ -146,7 +146,7 @@ def unavailable_reason(group: Any = None, device: torch.device | None = None) ->
     """Why the one-shot exchange cannot run for ``group`` on ``device`` (``None``: it can try;
     the rendezvous itself may still refuse)."""
     if triton is None:
-        return f"triton is not importable ({_tr.IMPORT_ERROR})"
+        return f"triton is not importable ({_triton.IMPORT_ERROR})"
     if not torch.cuda.is_available():
         return "no CUDA device (symmetric memory is CUDA memory mapped by every rank)"
     if device is not None and device.type != "cuda":
@@ -255,9 +255,9 @@ class OneShot:
             if bias.shape != (n,):
                 raise ValueError(f"OneShot: bias {tuple(bias.shape)} for {n} columns")
             bias = bias.contiguous()
-        progs = max(1, min(MAX_PROGRAMS, _tr.cdiv(numel, _BLOCK)))
-        with _tr.device_guard(sub):
-            _tr.launcher(_tp_oneshot_kernel, sub.device)[(progs,)](
+        progs = max(1, min(MAX_PROGRAMS, _triton.cdiv(numel, _BLOCK)))
+        with _triton.device_guard(sub):
+            _triton.launcher(_tp_oneshot_kernel, sub.device)[(progs,)](
                 self.ptrs,
                 self.epochs,
                 bias if bias is not None else out,

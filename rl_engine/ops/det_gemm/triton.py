@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import FLOAT_DTYPES
 from rl_engine.ops._triton import (  # None without Triton: the provider says why
     _TensorDescriptor,
@@ -623,25 +623,25 @@ if triton is not None:
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    _tr.check_device("det_gemm", *tensors)
+    _triton.check_device("det_gemm", *tensors)
 
 
 def _needs_int64(*tensors: torch.Tensor) -> bool:
     """Whether some element offset (span of a tensor in memory) can exceed int32."""
     for t in tensors:
-        if t.numel() < _tr.INT32_MAX and t.is_contiguous():
+        if t.numel() < _triton.INT32_MAX and t.is_contiguous():
             continue  # the common case, without the per-dim sum
         span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
-        if span >= _tr.INT32_MAX:
+        if span >= _triton.INT32_MAX:
             return True
     return False
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -669,7 +669,7 @@ class _Plan:
     """Every launch decision of one product, made once per (dtypes, shapes, strides, 16-byte
     alignment, bias or not, config, device) and kept (``_PLANS``): which kernel and grid, the
     constexprs, the TMA descriptor layouts, the workspace. ``run`` allocates the workspace, builds
-    the descriptors and launches the prepared kernels (``_tr.Prepared``) for the given tensors.
+    the descriptors and launches the prepared kernels (``_triton.Prepared``) for the given tensors.
     A launch choice only: the bits are the kernels'."""
 
     __slots__ = ("a_t", "a_block", "b_t", "b_block", "ws_shape", "main", "combine")
@@ -756,12 +756,12 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
         return None
     m, k = a.shape
     n = b.shape[1]
-    tiles = _tr.cdiv(m, block_m) * _tr.cdiv(n, block_n)
-    n_chunks = _tr.cdiv(k, k_chunk)
+    tiles = _triton.cdiv(m, block_m) * _triton.cdiv(n, block_n)
+    n_chunks = _triton.cdiv(k, k_chunk)
     split = split and n_chunks > 1
     progs = max(1, min(_num_sms(a.device), tiles * (n_chunks if split else 1)))
-    main = _tr.Prepared(
-        _tr.launcher(_det_gemm_tma_kernel, a.device),
+    main = _triton.Prepared(
+        _triton.launcher(_det_gemm_tma_kernel, a.device),
         (progs,),
         (m, n, k, out.stride(0), out.stride(1), progs),
         dict(
@@ -785,14 +785,14 @@ def _tma_plan(a, b, has_bias, out, block_m, block_n, block_k, group_m, num_warps
     return _Plan(a_t, a_block, b_t, b_block, ws_shape, main, combine)
 
 
-def _combine_step(out: torch.Tensor, has_bias: bool, n_chunks: int) -> _tr.Prepared:
+def _combine_step(out: torch.Tensor, has_bias: bool, n_chunks: int) -> _triton.Prepared:
     """``out = (((0 + ws[0]) + ws[1]) + ...) (+ bias)`` in ``out.dtype`` (the split plans);
     leading arguments ``(ws, bias or out, out)``."""
     m, n = out.shape
     block = 1024
-    return _tr.Prepared(
+    return _triton.Prepared(
         _kernel("_det_gemm_combine_kernel", out.device),
-        (_tr.cdiv(m * n, block),),
+        (_triton.cdiv(m * n, block),),
         (m * n, n, n_chunks, out.stride(0), out.stride(1)),
         dict(HAS_BIAS=has_bias, BLOCK=block, num_warps=4),
     )
@@ -806,7 +806,7 @@ def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
         cfg = cfg.for_interpreter()
     if k_chunk % cfg.block_k:
         raise ValueError(f"det_gemm[triton]: block_k={cfg.block_k} must divide k_chunk={k_chunk}")
-    n_chunks = _tr.cdiv(k, k_chunk)
+    n_chunks = _triton.cdiv(k, k_chunk)
     if cfg.tma and not on_cpu:
         plan = _tma_plan(
             a,
@@ -825,9 +825,9 @@ def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
         if plan is not None:
             return plan
     split = cfg.split_k and n_chunks > 1
-    grid = (_tr.cdiv(m, cfg.block_m) * _tr.cdiv(n, cfg.block_n), n_chunks if split else 1)
+    grid = (_triton.cdiv(m, cfg.block_m) * _triton.cdiv(n, cfg.block_n), n_chunks if split else 1)
     ws_shape = (n_chunks, m, n) if split else None
-    main = _tr.Prepared(
+    main = _triton.Prepared(
         _kernel("_det_gemm_fwd_kernel", a.device),
         grid,
         (m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)),
@@ -845,7 +845,7 @@ def _plan_for(a, b, bias, out, cfg: DetGemmConfig, k_chunk: int) -> _Plan:
             UPCAST=on_cpu and a.dtype != torch.float32,
             IEEE=a.dtype == torch.float32 or on_cpu,
             # the workspace spans no more than out does per chunk; out's span is in the list
-            INT64=_needs_int64(a, b, out) or (split and n_chunks * m * n >= _tr.INT32_MAX),
+            INT64=_needs_int64(a, b, out) or (split and n_chunks * m * n >= _triton.INT32_MAX),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),
@@ -990,8 +990,8 @@ def det_gemm_wgrad_with_plan(
             f"det_gemm_wgrad: chunk={chunk} must be a positive multiple of the token step "
             f"{cfg.block_t}"
         )
-    tiles = _tr.cdiv(ko, cfg.block_o) * _tr.cdiv(n, cfg.block_n)
-    n_chunks = _tr.cdiv(t, chunk) if t > 0 else 0
+    tiles = _triton.cdiv(ko, cfg.block_o) * _triton.cdiv(n, cfg.block_n)
+    n_chunks = _triton.cdiv(t, chunk) if t > 0 else 0
     if tma is None:
         tma = cfg.tma and tiles >= _WGRAD_SPLIT_BELOW_TILES
     if tma and not on_cpu and t > 0 and ko > 0 and n > 0:
@@ -1052,7 +1052,7 @@ def det_gemm_wgrad_with_plan(
         if split:
             numel = ko * n
             block = 1024
-            _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(_tr.cdiv(numel, block),)](
+            _kernel("_det_gemm_wgrad_combine_kernel", a.device)[(_triton.cdiv(numel, block),)](
                 dest, out, n_chunks, numel, BLOCK=block, ACC_INIT=accumulate
             )
     return out
@@ -1174,7 +1174,7 @@ def det_gemm_tp_subtree(
     if WGRAD_CHUNK % cfg.block_k:
         raise ValueError(f"det_gemm_tp_subtree: block_k={cfg.block_k} must divide {WGRAD_CHUNK}")
     gl = k // unit
-    grid = (_tr.cdiv(m, cfg.block_m) * _tr.cdiv(n, cfg.block_n),)
+    grid = (_triton.cdiv(m, cfg.block_m) * _triton.cdiv(n, cfg.block_n),)
     with _guard(a):
         _kernel("_det_gemm_tp_subtree_kernel", a.device)[grid](
             a,
@@ -1206,7 +1206,7 @@ def det_gemm_tp_subtree(
     return out
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics=f"det_gemm/triton-kc{K_CHUNK}",
     fn=det_gemm,
     # 2: forward K chunks of 4096; 3: weight-gradient token chunks 256 -> 4096

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops.entropy import reference
 from rl_engine.ops.logp.triton import (
@@ -59,7 +59,7 @@ def entropy(*args: Any) -> torch.Tensor:
     return entropy_forward(*args)[0]
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics=f"entropy/{NUMERICS}",
     fn=entropy,
     version="1",

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.grouped_poly_norm import reference
@@ -140,15 +140,15 @@ if triton is not None:
 
 
 def _launch_fwd(gate, up, weight, bias, expert_ids, eps, cfg: pn.Config | None = None):
-    _tr.check_device("grouped_poly_norm", gate)
+    _triton.check_device("grouped_poly_norm", gate)
     n, h = gate.shape
     cfg = pn.launch_config(h) if cfg is None else pn._checked(cfg)
-    x2, m2 = _tr.rows(gate), _tr.rows(up)
+    x2, m2 = _triton.rows(gate), _triton.rows(up)
     y = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     blk = pn.block_for(h, cfg.lanes)
     if n:
-        with _tr.device_guard(gate):
-            _tr.launcher(_grouped_poly_norm_fwd_kernel, gate.device)[(n,)](
+        with _triton.device_guard(gate):
+            _triton.launcher(_grouped_poly_norm_fwd_kernel, gate.device)[(n,)](
                 x2, m2, y, weight.contiguous(), bias.contiguous(), expert_ids.contiguous(),
                 weight.shape[0], h, float(h), x2.stride(0), m2.stride(0), y.stride(0),
                 float(eps), BLOCK=blk, LOG_BLOCK=blk.bit_length() - 1, UNROLL=cfg.unroll,
@@ -178,8 +178,8 @@ def sum_experts(part: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((n_experts, k), dtype=torch.float32, device=part.device)
     if n_experts and part.shape[0]:
         part = part.contiguous()
-        with _tr.device_guard(part):
-            _tr.launcher(_grouped_poly_norm_sum_kernel, part.device)[(n_experts,)](
+        with _triton.device_guard(part):
+            _triton.launcher(_grouped_poly_norm_sum_kernel, part.device)[(n_experts,)](
                 part, torch.empty_like(part), out, offs.contiguous(), K=k, BLOCK=pn._SUM_BLOCK,
                 LOG_BLOCK=pn._SUM_BLOCK.bit_length() - 1, RBLOCK=pn._SUM_RBLOCK,
                 LOG_RBLOCK=pn._SUM_RBLOCK.bit_length() - 1, num_warps=8,
@@ -188,11 +188,11 @@ def sum_experts(part: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_bwd(grad, gate, up, weight, bias, expert_ids, eps, cfg: pn.Config | None = None):
-    _tr.check_device("grouped_poly_norm", gate)
+    _triton.check_device("grouped_poly_norm", gate)
     n, h = gate.shape
     n_experts = weight.shape[0]
     cfg = pn.launch_config(h) if cfg is None else pn._checked(cfg)
-    x2, m2, g2 = _tr.rows(gate), _tr.rows(up), _tr.rows(grad.to(gate.dtype))
+    x2, m2, g2 = _triton.rows(gate), _triton.rows(up), _triton.rows(grad.to(gate.dtype))
     dx = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     dm = torch.empty(x2.shape, dtype=gate.dtype, device=gate.device)
     pos, offs = expert_order(expert_ids, n_experts)
@@ -200,8 +200,8 @@ def _launch_bwd(grad, gate, up, weight, bias, expert_ids, eps, cfg: pn.Config | 
     blk = pn.block_for(h, cfg.lanes)
     if n:
         w, b = weight.contiguous(), bias.contiguous()
-        with _tr.device_guard(gate):
-            _tr.launcher(_grouped_poly_norm_bwd_kernel, gate.device)[(n,)](
+        with _triton.device_guard(gate):
+            _triton.launcher(_grouped_poly_norm_bwd_kernel, gate.device)[(n,)](
                 g2, x2, m2, dx, dm, part, pos, w, b, expert_ids.contiguous(), n_experts, h,
                 float(h), g2.stride(0), x2.stride(0), m2.stride(0), dx.stride(0), dm.stride(0),
                 float(eps), BLOCK=blk, LOG_BLOCK=blk.bit_length() - 1, UNROLL=cfg.unroll,
@@ -230,7 +230,7 @@ def grouped_poly_norm_backward(
     return _launch_bwd(grad, gate, up, weight, bias, expert_ids, eps)
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics=f"grouped_poly_norm/triton-b{pn.LANES}",
     fn=grouped_poly_norm,
     version=f"1.{pn.PROVIDER.version}",

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops.grpo_loss import reference
 from rl_engine.ops.grpo_loss.args import AGG_MODES, METRIC_NAMES, Options, check, per_seq_mean
@@ -342,11 +342,11 @@ def _launch_tokens(
     logp, old_logp, advantages, _, ref_logp, is_weights = tensors
     b, t = logp.shape
     dev = logp.device
-    nt = _tr.cdiv(t, BLOCK_T)
+    nt = _triton.cdiv(t, BLOCK_T)
     grad, denom, denom_const, seq_mean, denom_from_ptr = bwd or (out, out, 0.0, False, False)
     with _rk._guard(logp):
         rows = _rk.rows_per_program(dev)
-        _kernel("_grpo_token_kernel", dev)[(_tr.cdiv(b, rows), nt)](
+        _kernel("_grpo_token_kernel", dev)[(_triton.cdiv(b, rows), nt)](
             grad,
             denom,
             logp,
@@ -405,7 +405,7 @@ def grpo_loss(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     _rk._check_device(logp, "grpo_loss")
     b, t = logp.shape
     dev = logp.device
-    nt = _tr.cdiv(t, BLOCK_T)
+    nt = _triton.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
     pre = _prepass(logp, old_logp, mask) if o.ratio_type == "sequence" else None
     part = torch.zeros((max(b * nt, 1), _STATS), dtype=torch.float32, device=dev)
@@ -434,7 +434,7 @@ def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
     d_logp = torch.zeros((b, t), dtype=logp.dtype, device=dev)
     if b == 0 or t == 0:
         return d_logp
-    nt = _tr.cdiv(t, BLOCK_T)
+    nt = _triton.cdiv(t, BLOCK_T)
     m8 = mask.view(torch.uint8)
     seq_ratio = o.ratio_type == "sequence"
     seq_mean = per_seq_mean(o.loss_agg)
@@ -451,6 +451,6 @@ def grpo_loss_backward(grad: torch.Tensor, *args: Any) -> torch.Tensor:
     return d_logp
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics="grpo_loss/triton", fn=grpo_loss, version="1", extras={"backward": grpo_loss_backward}
 )

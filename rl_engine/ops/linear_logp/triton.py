@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops.det_gemm import config as _gemm_config
 from rl_engine.ops.det_gemm import triton as _gemm
@@ -239,12 +239,12 @@ def linear_logp(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
 
 
 def _available(device: str, *, triton_interpret: bool) -> str | None:
-    return _tr.available(device, triton_interpret=triton_interpret) or _gemm.PROVIDER.why_not(
+    return _triton.available(device, triton_interpret=triton_interpret) or _gemm.PROVIDER.why_not(
         device, triton_interpret=triton_interpret
     )
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics=NUMERICS,
     fn=linear_logp,
     # 2: dhidden over DH_CHUNK vocabulary chunks and dweight over WGRAD_CHUNK token chunks, for

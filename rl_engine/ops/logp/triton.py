@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.logp import reference
@@ -270,15 +270,15 @@ if triton is not None:
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
 def check_device(t: torch.Tensor, op: str = "logp") -> None:
     """Raise unless Triton can run on ``t``'s device (CUDA, or the CPU interpreter)."""
-    _tr.check_device(op, t)
+    _triton.check_device(op, t)
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _rows_per_program(t: torch.Tensor) -> int:
@@ -319,7 +319,7 @@ def vocab_forward(
         ent = out_ent if out_ent is not None else torch.empty(n, dtype=f32, device=dev)
     if n == 0:
         return lp, ent, lse
-    n_seg = _tr.cdiv(vocab, SEGMENT)
+    n_seg = _triton.cdiv(vocab, SEGMENT)
     rows = _rows_per_program(logits)
     part = torch.empty((n, n_seg, 3), dtype=f32, device=dev)
     # dummies for the pointers a launch does not read (the kernels' constexpr flags say which)
@@ -330,7 +330,7 @@ def vocab_forward(
     cnt = torch.empty((n, n_seg), dtype=torch.int32, device=dev) if rank else lse
     temp = float(temperature)
     with _guard(logits):
-        _kernel("_vocab_partial_kernel", dev)[(_tr.cdiv(n, rows), n_seg)](
+        _kernel("_vocab_partial_kernel", dev)[(_triton.cdiv(n, rows), n_seg)](
             logits,
             part,
             n,
@@ -351,7 +351,7 @@ def vocab_forward(
             SEG=SEGMENT,
             num_warps=_NUM_WARPS,
         )
-        _kernel("_vocab_combine_kernel", dev)[(_tr.cdiv(n, _COMBINE_ROWS),)](
+        _kernel("_vocab_combine_kernel", dev)[(_triton.cdiv(n, _COMBINE_ROWS),)](
             part,
             logits,
             tok,
@@ -409,7 +409,7 @@ def vocab_backward(
     ge = grad_entropy.float().contiguous() if has_ge else lse
     ent = entropy if has_ge else lse
     with _guard(logits):
-        _kernel("_vocab_bwd_kernel", dev)[(_tr.cdiv(n, rows), _tr.cdiv(vocab, VOCAB_TILE))](
+        _kernel("_vocab_bwd_kernel", dev)[(_triton.cdiv(n, rows), _triton.cdiv(vocab, VOCAB_TILE))](
             logits,
             out,
             tok,
@@ -497,7 +497,7 @@ def logp(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -
 
 assert math.log2(VOCAB_TILE).is_integer() and VOCAB_TILE == reference.VOCAB_TILE
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics=f"logp/{NUMERICS}",
     fn=logp,
     version="1",

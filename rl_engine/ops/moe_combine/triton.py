@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.moe_combine import reference
@@ -79,7 +79,7 @@ def moe_combine(*args: Any) -> torch.Tensor:
 
     y, weights, shared, shared_gate = args
     _check(y, weights, shared, shared_gate)
-    _tr.check_device("moe_combine", y)
+    _triton.check_device("moe_combine", y)
     t, k, h = y.shape
     out = torch.empty((t, h), dtype=y.dtype, device=y.device)
     if t == 0 or h == 0:
@@ -88,9 +88,9 @@ def moe_combine(*args: Any) -> torch.Tensor:
     gt = shared_gate if shared_gate is not None else weights
     block_h = min(1024, 1 << max(0, h - 1).bit_length())
     block_t = max(1, min(16, 4096 // block_h))
-    grid = (_tr.cdiv(t, block_t), _tr.cdiv(h, block_h))
-    with _tr.device_guard(y):
-        _tr.launcher(_moe_combine_kernel, y.device)[grid](
+    grid = (_triton.cdiv(t, block_t), _triton.cdiv(h, block_h))
+    with _triton.device_guard(y):
+        _triton.launcher(_moe_combine_kernel, y.device)[grid](
             y, weights, sh, gt, out, exp64_consts(y.device), t, h,
             y.stride(0), y.stride(1), y.stride(2), weights.stride(0), weights.stride(1),
             sh.stride(0), sh.stride(1), gt.stride(0), out.stride(0), out.stride(1),
@@ -101,7 +101,7 @@ def moe_combine(*args: Any) -> torch.Tensor:
     return out
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics="moe_combine/native",
     fn=moe_combine,
     version="1",

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.det_gemm.config import INTERPRETER_BLOCK_K, K_CHUNK, WGRAD_CHUNK
@@ -427,20 +427,20 @@ if triton is not None:
 
 
 def _kernel(name: str, device: torch.device) -> Any:
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    _tr.check_device("moe_experts", *tensors)
+    _triton.check_device("moe_experts", *tensors)
 
 
 def max_blocks(n_slots: int, n_experts: int, block_m: int) -> int:
     """Static bound on the number of BLOCK_M blocks of the aligned layout (non-local bucket
     included): ``sum_e cdiv(c_e, BM) <= cdiv(S, BM) + (number of non-empty buckets)``."""
-    return _tr.cdiv(n_slots, block_m) + min(n_experts + 1, n_slots)
+    return _triton.cdiv(n_slots, block_m) + min(n_experts + 1, n_slots)
 
 
 # Up to this many slots the alignment is Triton (one program per chunk of slots: one launch
@@ -455,9 +455,9 @@ def _align_tiles(n_slots: int, n_experts: int) -> tuple[int, int, int]:
     of ~8k one-hot elements, at most 128 chunks."""
     block_e = max(16, 1 << (n_experts + 1).bit_length())
     block_s = max(16, min(256, 8192 // block_e))
-    while _tr.cdiv(n_slots, block_s) > 128:
+    while _triton.cdiv(n_slots, block_s) > 128:
         block_s *= 2
-    chunks = _tr.cdiv(n_slots, block_s)
+    chunks = _triton.cdiv(n_slots, block_s)
     return block_e, block_s, 1 << max(0, chunks - 1).bit_length()
 
 
@@ -488,7 +488,7 @@ def align_triton(
     counts = torch.empty((n_experts + 1,), dtype=torch.int32, device=dev)
     emap = expert_map if expert_map is not None else flat
     block_e, block_s, n_chunks = _align_tiles(s, n_experts)
-    grid = (_tr.cdiv(s, block_s),)
+    grid = (_triton.cdiv(s, block_s),)
     # phase 1's histograms, N_CHUNKS rows (a power of two: the rows past the last chunk are
     # written as zeros by their own programs, no memset launch)
     hist = (
@@ -565,7 +565,7 @@ def _gemm(
         raise ValueError(f"moe_experts[triton]: block_k={cfg.block_k} must divide {chunk}")
     nb = block_expert.shape[0]
     hh = h if h is not None else c
-    grid = (nb, _tr.cdiv(n, cfg.block_n))
+    grid = (nb, _triton.cdiv(n, cfg.block_n))
     with _guard(a):
         _kernel("_moe_gemm_kernel", a.device)[grid](
             a, b, c, hh, slots, block_expert,
@@ -697,7 +697,7 @@ def _wgrad(a, g, out, slots, row_start, counts, *, ko, n, a_div, a_gather, out_s
     if on_cpu:
         bt = INTERPRETER_BLOCK_K
     n_exp = out.shape[0]
-    grid = (_tr.cdiv(ko, bo) * _tr.cdiv(n, bn), n_exp)
+    grid = (_triton.cdiv(ko, bo) * _triton.cdiv(n, bn), n_exp)
     with _guard(a):
         _kernel("_moe_wgrad_kernel", a.device)[grid](
             a, g, out, slots, row_start, counts,
@@ -776,7 +776,7 @@ def _gather_rows(g: torch.Tensor, slots: torch.Tensor, s: int) -> torch.Tensor:
     return out.masked_fill_(~valid[:, None], 0)
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     op="moe_experts",
     numerics=f"moe_experts/triton-kc{K_CHUNK}",
     fn=moe_experts,

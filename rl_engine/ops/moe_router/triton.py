@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.moe_router import reference
 from rl_engine.ops.moe_router.reference import _check
@@ -164,7 +164,7 @@ def moe_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract and bits as :func:`rl_engine.ops.moe_router.reference.moe_topk`."""
     _check(logits, top_k, scoring, renormalize)
-    _tr.check_device("moe_router", logits)
+    _triton.check_device("moe_router", logits)
     t, e = logits.shape
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
@@ -174,9 +174,9 @@ def moe_topk(
     block_k = _pow2(top_k)
     # rows per program: ~2k elements of the [rows, E] tile (E = 128: 16 rows)
     block_t = max(1, min(64, 2048 // block_e, _pow2(t)))
-    grid = (_tr.cdiv(t, block_t),)
-    with _tr.device_guard(logits):
-        _tr.launcher(_moe_topk_kernel, logits.device)[grid](
+    grid = (_triton.cdiv(t, block_t),)
+    with _triton.device_guard(logits):
+        _triton.launcher(_moe_topk_kernel, logits.device)[grid](
             logits, w, ids, exp64_consts(logits.device), t, e,
             logits.stride(0), logits.stride(1),
             TOP_K=top_k, SOFTMAX_ALL=scoring == "softmax", RENORM=bool(renormalize),
@@ -187,7 +187,7 @@ def moe_topk(
     return w, ids
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics="moe_router/native",
     fn=moe_topk,
     version="1",

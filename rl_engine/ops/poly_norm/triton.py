@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.poly_norm import reference
@@ -418,16 +418,16 @@ if triton is not None:
 
 
 def _launch_fwd(x, weight, bias, eps, mul, cfg: Config | None = None):
-    _tr.check_device("poly_norm", x)
+    _triton.check_device("poly_norm", x)
     h = x.shape[-1]
     cfg = launch_config(h) if cfg is None else _checked(cfg)
-    x2 = _tr.rows(x)
-    m2 = _tr.rows(mul) if mul is not None else x2
+    x2 = _triton.rows(x)
+    m2 = _triton.rows(mul) if mul is not None else x2
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     blk = block_for(h, cfg.lanes)
     if x2.shape[0]:
-        with _tr.device_guard(x):
-            _tr.launcher(_poly_fwd_kernel, x.device)[(x2.shape[0],)](
+        with _triton.device_guard(x):
+            _triton.launcher(_poly_fwd_kernel, x.device)[(x2.shape[0],)](
                 x2, m2, y, weight.contiguous(), bias.contiguous(), h, float(h),
                 x2.stride(0), m2.stride(0), y.stride(0), float(eps),
                 HAS_MUL=mul is not None, BLOCK=blk, LOG_BLOCK=blk.bit_length() - 1,
@@ -461,8 +461,8 @@ def sum_rows(part: torch.Tensor) -> torch.Tensor:
     half = (1 << (m - 1).bit_length()) // 2
     out = torch.empty((k,), dtype=torch.float32, device=part.device)
     tmp = torch.empty((k, half), dtype=torch.float32, device=part.device)
-    with _tr.device_guard(part):
-        _tr.launcher(_sum_rows_kernel, part.device)[(1,)](
+    with _triton.device_guard(part):
+        _triton.launcher(_sum_rows_kernel, part.device)[(1,)](
             part.contiguous(), tmp, out, m, half, K=k, BLOCK=_SUM_BLOCK,
             LOG_BLOCK=_SUM_BLOCK.bit_length() - 1, RBLOCK=_SUM_RBLOCK,
             LOG_RBLOCK=_SUM_RBLOCK.bit_length() - 1, num_warps=8,
@@ -471,19 +471,19 @@ def sum_rows(part: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_bwd(grad, x, weight, bias, eps, mul, cfg: Config | None = None):
-    _tr.check_device("poly_norm", x)
+    _triton.check_device("poly_norm", x)
     h = x.shape[-1]
     cfg = launch_config(h) if cfg is None else _checked(cfg)
-    x2, g2 = _tr.rows(x), _tr.rows(grad.to(x.dtype))
-    m2 = _tr.rows(mul) if mul is not None else x2
+    x2, g2 = _triton.rows(x), _triton.rows(grad.to(x.dtype))
+    m2 = _triton.rows(mul) if mul is not None else x2
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     dmul = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if mul is not None else None
     part = torch.empty((x2.shape[0], 4), dtype=torch.float32, device=x.device)
     blk = block_for(h, cfg.lanes)
     if x2.shape[0]:
         dm = dmul if dmul is not None else dx
-        with _tr.device_guard(x):
-            _tr.launcher(_poly_bwd_kernel, x.device)[(x2.shape[0],)](
+        with _triton.device_guard(x):
+            _triton.launcher(_poly_bwd_kernel, x.device)[(x2.shape[0],)](
                 g2, x2, m2, dx, dm, part, weight.contiguous(), bias.contiguous(), h, float(h),
                 g2.stride(0), x2.stride(0), m2.stride(0), dx.stride(0), dm.stride(0),
                 float(eps), HAS_MUL=mul is not None, BLOCK=blk,
@@ -508,7 +508,7 @@ def poly_norm_backward(
     return _launch_bwd(grad, x, weight, bias, eps, mul)
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     op="poly_norm",
     numerics=f"poly_norm/triton-b{LANES}",
     fn=poly_norm,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.ratio_kl import reference
@@ -336,11 +336,11 @@ if triton is not None:
 def _kernel(name: str, device: torch.device, scope: dict[str, Any] | None = None) -> Any:
     """The JIT kernel ``name`` of ``scope`` (default: this module): a cached launcher for CUDA
     tensors, interpreted for CPU tensors."""
-    return _tr.launcher((globals() if scope is None else scope)[name], device)
+    return _triton.launcher((globals() if scope is None else scope)[name], device)
 
 
 def _check_device(t: torch.Tensor, op: str = "ratio_kl") -> None:
-    _tr.check_device(op, t)
+    _triton.check_device(op, t)
 
 
 def rows_per_program(device: torch.device) -> int:
@@ -350,7 +350,7 @@ def rows_per_program(device: torch.device) -> int:
     return _INTERPRETER_ROWS if device.type == "cpu" else 1
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _inputs(
@@ -379,7 +379,7 @@ def _partials(
     """Launch the tile kernel (token outputs when ``outs`` is given); returns the partials (of
     the raw log-ratio where ``raw_sums``)."""
     b, t = logp.shape
-    nt = _tr.cdiv(t, BLOCK_T)
+    nt = _triton.cdiv(t, BLOCK_T)
     part = torch.zeros((max(b * nt, 1), 2), dtype=torch.float32, device=logp.device)
     if b == 0 or nt == 0:
         return part
@@ -388,7 +388,7 @@ def _partials(
     o = outs if outs is not None else (dummy,) * 7
     with _guard(logp):
         rows = rows_per_program(logp.device)
-        _kernel("_ratio_kl_tile_kernel", logp.device)[(_tr.cdiv(b, rows), nt)](
+        _kernel("_ratio_kl_tile_kernel", logp.device)[(_triton.cdiv(b, rows), nt)](
             *inputs,
             *o,
             part,
@@ -429,7 +429,7 @@ def _launch_seq(
         gsl, gsr, gseq = grads
         s_gsl, s_gsr = gsl.stride(0), gsr.stride(0)
     with _guard(part):
-        _kernel("_ratio_kl_seq_kernel", part.device)[(_tr.cdiv(b, _BLOCK_B),)](
+        _kernel("_ratio_kl_seq_kernel", part.device)[(_triton.cdiv(b, _BLOCK_B),)](
             part,
             b,
             nt,
@@ -478,7 +478,7 @@ def ratio_kl(*args: Any) -> tuple[torch.Tensor, ...]:
             (float(o.token_cap), float(o.token_mis_lo), float(o.token_mis_hi)),
         )
         seq_opts = (float(o.seq_cap), float(o.seq_mis_lo), float(o.seq_mis_hi))
-        nt = _tr.cdiv(t, BLOCK_T)
+        nt = _triton.cdiv(t, BLOCK_T)
         _launch_seq(part, b, nt, clamp, o.geometric, (*seq, seq_keep), None, seq_opts)
     return (
         *tok,
@@ -508,13 +508,13 @@ def ratio_kl_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     part = _partials(logp, old_logp, mask, clamp, None, (0.0, 0.0, 0.0))
     gseq = torch.empty((b,), dtype=torch.float32, device=dev)
     gsl, gsr = (g.float() for g in upstream[5:])
-    nt = _tr.cdiv(t, BLOCK_T)
+    nt = _triton.cdiv(t, BLOCK_T)
     _launch_seq(part, b, nt, clamp, geometric, None, (gsl, gsr, gseq), (0.0, 0.0, 0.0))
     grads = [x.float() for x in upstream[:5]]
     inputs, strides = _inputs(logp, old_logp, mask)
     with _guard(logp):
         rows = rows_per_program(dev)
-        _kernel("_ratio_kl_bwd_kernel", dev)[(_tr.cdiv(b, rows), nt)](
+        _kernel("_ratio_kl_bwd_kernel", dev)[(_triton.cdiv(b, rows), nt)](
             *grads,
             gseq,
             *inputs,
@@ -533,6 +533,6 @@ def ratio_kl_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return d_lp, d_old
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     numerics="ratio_kl/triton", fn=ratio_kl, version="1", extras={"backward": ratio_kl_backward}
 )

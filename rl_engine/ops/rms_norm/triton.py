@@ -65,8 +65,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _interpret
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _interpret, _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.rms_norm import reference
@@ -484,10 +483,10 @@ if triton is not None:
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 @signature_of(reference.rms_norm)
@@ -503,13 +502,13 @@ def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """
     x, weight, eps, residual = args
     _check(x, weight, eps, residual)
-    _tr.check_device("rms_norm", x)
+    _triton.check_device("rms_norm", x)
     h = x.shape[-1]
     cfg = get_config(h)
-    x2 = _tr.rows(x, h)
+    x2 = _triton.rows(x, h)
     m = x2.shape[0]
     y = torch.empty((m, h), dtype=x.dtype, device=x.device)
-    res2 = _tr.rows(residual, h) if residual is not None else x2
+    res2 = _triton.rows(residual, h) if residual is not None else x2
     s = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else y
     if m > 0:
         w = weight.contiguous()
@@ -523,23 +522,23 @@ def rms_norm(*args: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             x2.stride(0),
             res2.stride(0),
             residual is not None,
-            _tr.aligned(x2),
-            _tr.aligned(res2),
-            _tr.aligned(w),
+            _triton.aligned(x2),
+            _triton.aligned(res2),
+            _triton.aligned(w),
             float(eps),
         )
-        step = _tr.prepared(
+        step = _triton.prepared(
             key,
-            lambda: _tr.Prepared(
+            lambda: _triton.Prepared(
                 _kernel("_rms_norm_fwd_kernel", x.device),
-                (_tr.cdiv(m, cfg.rows),),
+                (_triton.cdiv(m, cfg.rows),),
                 (m, x2.stride(0), res2.stride(0), h, h, float(eps)),
                 dict(
                     H=h,
                     BLOCK_H=cfg.block_h,
                     ROWS=cfg.rows,
                     HAS_RESIDUAL=residual is not None,
-                    INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0), res2.stride(0), h),
+                    INT64=_triton.int64_offsets(m + cfg.rows, x2.stride(0), res2.stride(0), h),
                     num_warps=cfg.num_warps,
                 ),
             ),
@@ -569,16 +568,16 @@ def _dx(
     cfg: RmsNormBwdConfig | None = None,
 ) -> torch.Tensor:
     """:func:`rms_norm_dx` with an optional backward configuration (benchmarks and tests)."""
-    _tr.check_device("rms_norm", r)
+    _triton.check_device("rms_norm", r)
     h = r.shape[-1]
     cfg = cfg if cfg is not None else get_bwd_config(h)
-    r2 = _tr.rows(r, h)
-    g2 = _tr.rows(grad.to(r.dtype), h)
+    r2 = _triton.rows(r, h)
+    g2 = _triton.rows(grad.to(r.dtype), h)
     m = r2.shape[0]
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device)
     if m > 0:
         with _guard(r):
-            _kernel("_rms_norm_bwd_dx_kernel", r.device)[(_tr.cdiv(m, cfg.rows),)](
+            _kernel("_rms_norm_bwd_dx_kernel", r.device)[(_triton.cdiv(m, cfg.rows),)](
                 g2,
                 r2,
                 weight.contiguous(),
@@ -591,7 +590,7 @@ def _dx(
                 H=h,
                 BLOCK_H=cfg.block_h,
                 ROWS=cfg.rows,
-                INT64=_tr.int64_offsets(m + cfg.rows, g2.stride(0), r2.stride(0), h),
+                INT64=_triton.int64_offsets(m + cfg.rows, g2.stride(0), r2.stride(0), h),
                 num_warps=cfg.num_warps,
             )
     return dx.reshape(r.shape)
@@ -610,7 +609,7 @@ def _backward(
 
     ``cfg`` (default :func:`get_bwd_config`) lets benchmarks and tests try other launches.
     """
-    _tr.check_device("rms_norm", r)
+    _triton.check_device("rms_norm", r)
     h = r.shape[-1]
     for name, t in (("grad", grad), ("grad_sum", grad_sum)):
         if t is not None and t.shape != r.shape:
@@ -621,20 +620,20 @@ def _backward(
     if weight is not None and weight.shape != (h,):
         raise ValueError(f"rms_norm[triton] backward: weight shape {tuple(weight.shape)} != ({h},)")
     cfg = cfg if cfg is not None else get_bwd_config(h)
-    r2 = _tr.rows(r, h)
-    g2 = _tr.rows(grad if grad.dtype == r.dtype else grad.to(r.dtype), h)
+    r2 = _triton.rows(r, h)
+    g2 = _triton.rows(grad if grad.dtype == r.dtype else grad.to(r.dtype), h)
     m = r2.shape[0]
     store_dx = weight is not None
     dx = torch.empty((m, h), dtype=r.dtype, device=r.device) if store_dx else None
     # the add of grad_sum is fused for 16-bit dtypes only (see the kernel); fp32 adds in torch
     fuse_gs = grad_sum is not None and r.dtype != torch.float32
-    gs2 = _tr.rows(grad_sum.to(r.dtype), h) if fuse_gs else g2
+    gs2 = _triton.rows(grad_sum.to(r.dtype), h) if fuse_gs else g2
     # with rows, the combine kernel writes every column: no fill kernel (a launch less per call,
     # which measurably shortened the autograd backward's host time)
     alloc = torch.empty if m > 0 else torch.zeros
     out = alloc((h,), dtype=torch.float32, device=r.device)
     if m > 0:
-        n_parts = _tr.cdiv(m, cfg.wgrad_chunk)
+        n_parts = _triton.cdiv(m, cfg.wgrad_chunk)
         parts = torch.empty((n_parts, h), dtype=torch.float32, device=r.device)
         w = weight.contiguous() if store_dx else r2
         key = (
@@ -649,14 +648,14 @@ def _backward(
             gs2.stride(0),
             store_dx,
             fuse_gs,
-            _tr.aligned(g2),
-            _tr.aligned(r2),
-            _tr.aligned(w),
-            _tr.aligned(gs2),
+            _triton.aligned(g2),
+            _triton.aligned(r2),
+            _triton.aligned(w),
+            _triton.aligned(gs2),
             float(eps),
             cfg,
         )
-        main, combine = _tr.prepared(key, lambda: _bwd_steps(r, m, h, g2, r2, gs2, store_dx,
+        main, combine = _triton.prepared(key, lambda: _bwd_steps(r, m, h, g2, r2, gs2, store_dx,
                                                              fuse_gs, float(eps), cfg, n_parts))  # fmt: skip
         with _guard(r):
             main(g2, r2, w, gs2, dx if store_dx else parts, parts)
@@ -670,7 +669,7 @@ def _backward(
 
 def _bwd_steps(r, m, h, g2, r2, gs2, store_dx, fuse_gs, eps, cfg, n_parts):
     """The two prepared launches of :func:`_backward` (the fused kernel, the ordered combine)."""
-    main = _tr.Prepared(
+    main = _triton.Prepared(
         _kernel("_rms_norm_bwd_kernel", r.device),
         (n_parts,),
         (m, g2.stride(0), r2.stride(0), gs2.stride(0), h if store_dx else 0, eps),
@@ -684,16 +683,16 @@ def _bwd_steps(r, m, h, g2, r2, gs2, store_dx, fuse_gs, eps, cfg, n_parts):
             PREFETCH=cfg.prefetch,
             STAGES=cfg.stages,
             RELOAD_W=cfg.reload_weight,
-            INT64=_tr.int64_offsets(
+            INT64=_triton.int64_offsets(
                 m + cfg.wgrad_chunk + cfg.rows, g2.stride(0), r2.stride(0), gs2.stride(0), h
             ),
             num_warps=cfg.num_warps,
         ),
     )
     block = min(cfg.combine_block, cfg.block_h)
-    combine = _tr.Prepared(
+    combine = _triton.Prepared(
         _kernel("_rms_norm_wgrad_combine_kernel", r.device),
-        (_tr.cdiv(h, block),),
+        (_triton.cdiv(h, block),),
         (n_parts,),
         dict(H=h, BLOCK=block, UNROLL=cfg.combine_unroll, num_warps=cfg.combine_warps),
     )
@@ -735,7 +734,7 @@ def rms_norm_backward(
     return dx, dw
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     op="rms_norm",
     numerics="rms_norm/triton",
     fn=rms_norm,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._common import signature_of
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.rope import reference
@@ -212,7 +212,7 @@ _tables: dict[tuple[Any, ...], torch.Tensor] = {}
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
 def _table(key: tuple[Any, ...], values: tuple[float, ...], device: torch.device) -> torch.Tensor:
@@ -225,10 +225,10 @@ def _table(key: tuple[Any, ...], values: tuple[float, ...], device: torch.device
 
 
 def _check_device(t: torch.Tensor) -> None:
-    _tr.check_device("rope", t)
+    _triton.check_device("rope", t)
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _rope(
@@ -267,7 +267,7 @@ def _rope(
         reach.append(cfg.block_t * y2.stride(0))
         x2_args = (x2, y2, x2.stride(0), x2.stride(1), x2.stride(2), y2.stride(0), y2.stride(1))
     with _guard(x):
-        _kernel("_rope_fwd_kernel", x.device)[(_tr.cdiv(t, cfg.block_t),)](
+        _kernel("_rope_fwd_kernel", x.device)[(_triton.cdiv(t, cfg.block_t),)](
             x,
             x2_args[0],
             positions,
@@ -293,7 +293,7 @@ def _rope(
             BLOCK_H2=_pow2(nh2) if nh2 else 1,
             BLOCK_P=cfg.block_p,
             BLOCK_C=cfg.block_c,
-            INT64=max(spans) + max(reach) >= _tr.INT32_MAX,
+            INT64=max(spans) + max(reach) >= _triton.INT32_MAX,
             num_warps=cfg.num_warps,
             enable_fp_fusion=False,
         )
@@ -340,7 +340,7 @@ def rope_qk_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _rope(grad_q, *params, inverse=True, x2=grad_k)
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     op="rope",
     numerics="rope/native-f64table",
     fn=rope,

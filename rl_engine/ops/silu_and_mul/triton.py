@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.ops import _triton as _tr
+from rl_engine.ops import _triton
 from rl_engine.ops._triton import tl, triton  # None without Triton: the provider says why
 from rl_engine.ops.silu_and_mul.reference import _check
 
@@ -132,14 +132,14 @@ if triton is not None:
 
 def _kernel(name: str, device: torch.device) -> Any:
     """The JIT kernel ``name``: a cached launcher for CUDA tensors, interpreted for CPU tensors."""
-    return _tr.launcher(globals()[name], device)
+    return _triton.launcher(globals()[name], device)
 
 
-_guard = _tr.device_guard
+_guard = _triton.device_guard
 
 
 def _grid(m: int, d: int, cfg: SiluAndMulConfig) -> tuple[int, int]:
-    return (_tr.cdiv(m, cfg.rows), _tr.cdiv(d, cfg.block_d))
+    return (_triton.cdiv(m, cfg.rows), _triton.cdiv(d, cfg.block_d))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -152,13 +152,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         [..., D] in ``x.dtype``.
     """
     _check(x)
-    _tr.check_device("silu_and_mul", x)
+    _triton.check_device("silu_and_mul", x)
     d = x.shape[-1] // 2
     out_shape = (*x.shape[:-1], d)
     if d == 0 or x.numel() == 0:
         return torch.empty(out_shape, dtype=x.dtype, device=x.device)
     cfg = get_config(d)
-    x2 = _tr.rows(x, 2 * d)
+    x2 = _triton.rows(x, 2 * d)
     m = x2.shape[0]
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     with _guard(x):
@@ -171,7 +171,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             D=d,
             BLOCK_D=cfg.block_d,
             ROWS=cfg.rows,
-            INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0)),
+            INT64=_triton.int64_offsets(m + cfg.rows, x2.stride(0)),
             num_warps=cfg.num_warps,
         )
     return y.reshape(out_shape)
@@ -179,14 +179,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Gradient w.r.t. ``x`` [..., 2D] given ``grad`` [..., D]; in ``x.dtype`` (row invariant)."""
-    _tr.check_device("silu_and_mul", x)
+    _triton.check_device("silu_and_mul", x)
     d = x.shape[-1] // 2
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if d == 0 or x.numel() == 0:
         return dx
     cfg = get_config(d)
-    x2 = _tr.rows(x, 2 * d)
-    g2 = _tr.rows(grad.to(x.dtype), d)
+    x2 = _triton.rows(x, 2 * d)
+    g2 = _triton.rows(grad.to(x.dtype), d)
     m = x2.shape[0]
     dx2 = dx.view(m, 2 * d)
     with _guard(x):
@@ -201,13 +201,13 @@ def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             D=d,
             BLOCK_D=cfg.block_d,
             ROWS=cfg.rows,
-            INT64=_tr.int64_offsets(m + cfg.rows, x2.stride(0), g2.stride(0)),
+            INT64=_triton.int64_offsets(m + cfg.rows, x2.stride(0), g2.stride(0)),
             num_warps=cfg.num_warps,
         )
     return dx
 
 
-PROVIDER = _tr.triton_provider(
+PROVIDER = _triton.triton_provider(
     op="silu_and_mul",
     numerics="silu_and_mul/triton-f32",
     fn=silu_and_mul,
