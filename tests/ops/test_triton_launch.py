@@ -100,7 +100,7 @@ def test_gpu_check_mode_catches_a_coarse_key(check_mode, monkeypatch):
     pointer; the check mode raises instead."""
     kern = _toy_kernel()
     lau = _triton.Launcher(kern)
-    monkeypatch.setattr(_tr, "_arg_spec", lambda v: 0)  # a key that distinguishes nothing
+    monkeypatch.setattr(_triton, "_arg_spec", lambda v: 0)  # a key that distinguishes nothing
     base = torch.randn(1024 + 64, device="cuda")
     out = torch.empty(1024, device="cuda")
     lau[(4,)](base, out, 1024, 1, 1.0, BLOCK=256, num_warps=4)
