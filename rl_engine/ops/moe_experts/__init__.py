@@ -198,10 +198,12 @@ def moe_experts_subtree(
     the ``det_gemm`` provider of the experts provider's family; other slots ``+0``.
 
     Args:
-        x, ids, expert_map: as :func:`moe_experts`.
+        x: [T, H] token rows, as :func:`moe_experts`.
+        ids: [T, k] global expert ids, as :func:`moe_experts`.
         w13: [E_local, 2 * I_r, H] this rank's shard ``[gate_r; up_r]`` (TP 1: the whole).
         w2: [E_local, H, I_r].
         groups: this rank's group count, ``G / t`` at TP degree ``t``.
+        expert_map: as :func:`moe_experts`.
         backend: pin the experts provider (it must have a ``"subtree"`` extra).
 
     Returns:

@@ -132,7 +132,8 @@ def moe_experts_tp(
         groups: this rank's group count ``G / t``.
         exchange: the name the TP group's :class:`~rl_engine.ops.det_gemm.tp.Exchange` is
             registered (or buildable) under (vLLM: ``compat.tp_exchange()``).
-        expert_map, backend: as :func:`rl_engine.ops.moe_experts.moe_experts`.
+        expert_map: as :func:`rl_engine.ops.moe_experts.moe_experts`.
+        backend: as :func:`rl_engine.ops.moe_experts.moe_experts`.
 
     Returns:
         [T, k, H] in ``x.dtype``, the same on every rank of the group.
