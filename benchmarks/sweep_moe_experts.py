@@ -1,7 +1,7 @@
 """Tile sweep of the ``moe_experts`` Triton kernels at Qwen3-30B-A3B's MoE shape (a launch
 choice only: every config gives the same bits, checked here on every candidate).
 
-Usage: ``python benchmarks/sweep_moe_experts.py [--out DIR] [--quick]``.
+Usage: ``python benchmarks/sweep_moe_experts.py [--out DIR] [--quick] [--ts 1,4,16]``.
 
 For each token count T (decode 1..256, prefill 1k..16k), starting from the shipped table's
 config for T (``triton.get_config``), a coordinate descent over kernel 1 (gate/up + SwiGLU) then
@@ -122,19 +122,29 @@ def _sweep_t(t: int, c: dict, weights, quick: bool) -> dict:
     return row
 
 
-@common.gpu_main(__doc__, "sweep_moe_experts")
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ts", default=None,
+                   help="comma-separated token counts (default: all of TS; --quick: 1,64,4096)")  # fmt: skip
+
+
+@common.gpu_main(__doc__, "sweep_moe_experts", _args)
 def main(args: argparse.Namespace, _limits: dict[str, float]) -> None:
     c = QWEN3_30B_A3B_MOE
     g = torch.Generator(device="cuda").manual_seed(0)
     h, e, i = c["hidden"], c["experts"], c["ffn"]
     w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h**-0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, i, device="cuda", generator=g) * i**-0.5).to(torch.bfloat16)
-    ts = (1, 64, 4096) if args.quick else TS
-    rows = [_sweep_t(t, c, (w13, w2), args.quick) for t in ts]
-    payload = {"shape": dict(c), "code_hash": code_hash(),
-               "timing": "common.bench_graph (CUDA-graph replay), align + both kernels",
-               "rows": rows}  # fmt: skip
-    common.write_json(args.out, "moe_experts_sweep", payload)
+    if args.ts:
+        ts = tuple(int(t) for t in args.ts.split(","))
+    else:
+        ts = (1, 64, 4096) if args.quick else TS
+    rows: list[dict] = []
+    for t in ts:  # the file is rewritten after each T: a run cut short keeps what it measured
+        rows.append(_sweep_t(t, c, (w13, w2), args.quick))
+        payload = {"shape": dict(c), "code_hash": code_hash(),
+                   "timing": "common.bench_graph (CUDA-graph replay), align + both kernels",
+                   "ts": list(ts), "rows": rows}  # fmt: skip
+        common.write_json(args.out, "moe_experts_sweep", payload)
 
 
 if __name__ == "__main__":

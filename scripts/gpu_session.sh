@@ -13,6 +13,13 @@
 #   PHASE=kernels the MoE / poly_norm GPU op tests (every component required) on GPU 0 beside the
 #                 MoE layer benchmark vs vLLM's fused_moe and the experts tile sweep on GPU 1.
 #
+# One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
+#   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),
+#                 then the CUDA C++ det_gemm tests + benchmark vs cuBLAS (carry build/csrc).
+#   PHASE=solo_b  the GPU tests of tests/ops (REQUIRE vllm megatron: a skip for either fails).
+#   PHASE=solo_c  the GPU tests of tests/invariance, tests/adapters and the drift monitor
+#                 (REQUIRE as above), then TRL's GRPOTrainer (carry .whl_trl).
+#
 # Logs and JSON under $OUT; a short table last. T_JOB: seconds per job (default 540).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +71,27 @@ case ${PHASE:-checks} in
       tests/ops/test_poly_norm.py --junitxml "$OUT/gpu_ops.xml"
     job moe_bench "$T" 1 bash -c "$PY benchmarks/bench_moe.py --out '$OUT/bench' && $PY benchmarks/sweep_moe_experts.py --out '$OUT/bench'"
     ;;
-  *) echo "PHASE=checks, bench, extra or kernels"; exit 2 ;;
+  solo_a)
+    install
+    job sweep "${T_SWEEP:-170}" 0 $PY benchmarks/sweep_moe_experts.py --ts "${SWEEP_TS:-1,4,16}" \
+      --out "$OUT/bench"
+    wait
+    job csrc "$((T - ${T_SWEEP:-170}))" 0 env OUT="$OUT/csrc" bash scripts/gpu_csrc.sh
+    ;;
+  solo_b)
+    install
+    job ops_tests "$T" 0 env OUT="$OUT/ops" TESTS=tests/ops REQUIRE="vllm megatron" SKIP_FUZZ=1 \
+      SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
+    ;;
+  solo_c)
+    install
+    job rest_tests "${T_TESTS:-260}" 0 env OUT="$OUT/rest" REQUIRE="vllm megatron" SKIP_FUZZ=1 \
+      SKIP_BENCH=1 TESTS="tests/invariance tests/adapters tests/audit/test_drift_monitor.py" \
+      TEST_TIMEOUT="$((${T_TESTS:-260} - 15))" bash scripts/gpu_check.sh
+    wait
+    job trl "$((T - ${T_TESTS:-260}))" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
+    ;;
+  *) echo "PHASE=checks, bench, extra, kernels, solo_a, solo_b or solo_c"; exit 2 ;;
 esac
 wait
 for n in "${names[@]}"; do
