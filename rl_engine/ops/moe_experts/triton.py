@@ -131,9 +131,11 @@ _C = MoeGemmConfig
 # (max average rows per expert, config); the first row that fits wins. 16-bit inputs. Kernel 1
 # computes block_n gate and block_n up columns: a block_n here is 2 * block_n of a kernel over
 # the fused [2I] gate/up output. Decode rows (few rows per expert): narrow tiles for more
-# programs; prefill: 128-row tiles, 8 warps.
+# programs; prefill: 128-row tiles, 8 warps. The first row (one or two tokens at 64-128
+# experts): kernel 1's block_n 64, the best of `benchmarks/sweep_moe_experts.py --ts 1` on an
+# H100 (38.7 us against 41.4 us with 32; 2026-11-28, results/h100/session16_gpu/).
 _TABLE_16BIT: tuple[tuple[float, MoeGemmConfig], ...] = (
-    (0.125, _C(16, 32, 64, num_warps=4, num_stages=5, down=(64, 64, 4, 5))),
+    (0.125, _C(16, 64, 64, num_warps=4, num_stages=5, down=(64, 64, 4, 5))),
     (2, _C(16, 32, 128, num_warps=4, num_stages=3, down=(64, 128, 4, 3))),
     (8, _C(16, 64, 128, num_warps=4, num_stages=3, down=(128, 128, 4, 3))),
     (16, _C(32, 128, 128, num_warps=4, num_stages=2, down=(256, 128, 4, 2))),
