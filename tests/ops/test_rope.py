@@ -229,6 +229,7 @@ def test_rope_qk_errors():
 
 def test_compile_matches_eager(backend):
     x, pos = torch.randn(9, 2, 32), torch.arange(9)
+    backend = str(backend)  # plain str: torch 2.11's dynamo (conftest.Backend)
     f = torch.compile(
         lambda a, p: rope(a, p, 500000.0, 16, False, LLAMA3, backend=backend),
         fullgraph=True,
