@@ -23,6 +23,7 @@ grouped reductions at TP 1). ``--control`` adds the negative control: the first 
 again with the experts' down projection as plain per-rank partial sums added by an
 all-reduce (expected to differ).
 """
+
 from __future__ import annotations
 
 import sys
