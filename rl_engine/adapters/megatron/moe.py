@@ -9,43 +9,69 @@ weight and the *stacked* expert weights as parameters and computes, per token ro
     out = moe_combine(y, weights, shared=shared_expert(x), shared_gate=x @ gate_weight.T)
 
 with every GEMM a ``det_gemm`` (the ops' numerics: DESIGN.md section 1, "Mixture of experts").
-With the TP-invariant reduction on (``RL_ENGINE_TP_GROUPS``; ``groups_for`` of the config's
-TP degree, which is 1 here) the experts run ``moe_experts``' grouped form and the shared
-expert's down projection ``det_gemm_tp``: the bits of a rollout whose experts (and shared
-expert) are TP-sharded, as the dense row-parallel layers do.
+With the TP-invariant reduction on (``groups_for(TP)``: always at TP > 1; at TP 1 with
+``RL_ENGINE_TP_GROUPS=8``) the experts run ``moe_experts``' grouped form (the down product's
+``I`` in ``G`` groups, fp32 pair tree, one rounding) and the shared expert the dense MLP's TP
+layers: the bits of a rollout whose experts (and shared expert) are TP-sharded.
 Megatron's ``TopKRouter``, token dispatchers and ``SequentialMLP`` / ``GroupedMLP`` are not
-used: their permutation, capacity and grouped-GEMM paths change bits with the batch.
+used: their permutation, capacity and grouped-GEMM paths change bits with the batch, and their
+TP / EP combine adds each rank's partially combined tokens in the reduce-scatter's order.
 
-Parameters (names follow megatron where practical)::
+Parameters (names follow megatron; shapes of one rank)::
 
-    router.weight                       [E, H]
-    experts.linear_fc1.weight           [E_local, 2 I, H]   gate rows, then up rows (w13)
-    experts.linear_fc2.weight           [E_local, H, I]     (w2)
-    shared_experts.linear_fc1.weight    [2 I_s, H]          [gate; up] (Qwen2-MoE)
-    shared_experts.linear_fc2.weight    [H, I_s]
-    shared_experts.gate_weight          [1, H]              sigmoid gate logits (Qwen2-MoE)
+    router.weight                       [E, H]                  replicated
+    experts.linear_fc1.weight           [E / EP, 2 I / ETP, H]  [gate_r; up_r] per expert (w13)
+    experts.linear_fc2.weight           [E / EP, H, I / ETP]    columns r of I (w2)
+    shared_experts.linear_fc1.weight    [2 I_s / TP, H]         [gate_r; up_r] (Qwen2-MoE)
+    shared_experts.linear_fc2.weight    [H, I_s / TP]
+    shared_experts.gate_weight          [1, H]                  sigmoid gate logits, replicated
 
-Expert parallelism (``expert_model_parallel_size`` = EP > 1; the EP ranks are data-parallel
-ranks with their own tokens, as in megatron): each rank holds experts
-``[rank * E / EP, (rank + 1) * E / EP)``. The ranks' token rows, expanded to one row per
-(token, slot), are all-gathered (real rows only, in rank order: the concatenated batch); each
-rank computes the slots of its local experts (``expert_map``; the others are ``+0`` rows); the
-per-slot outputs are summed over the EP group (one value and zeros per element: exact in any
-order) and each rank keeps its own rows; the combine is local. Backward mirrors it: the slot
-rows' input gradients are summed over the group (exact, same argument), then each token's
-slots are added in slot order in fp32 with one rounding — the ``moe_experts`` op's own rule —
-so log-probs, input gradients and every expert's weight gradient equal EP = 1's bitwise (the
-expert's rows are the concatenated batch's, in the same order). The expert weights carry
-``allreduce = False`` (megatron's mark for expert parameters: their gradients are reduced
-over the expert-data-parallel group, not the data-parallel one).
+Parallel layouts (megatron's process groups; PP = CP = 1). The TP ranks of a model replica
+hold the same tokens (sequence parallelism is refused with MoE layers, below), the data-parallel
+ranks their own. Expert parallelism (``expert_model_parallel_size`` = EP): rank ``p`` of the EP
+group holds experts ``[p E / EP, (p + 1) E / EP)``. Expert tensor parallelism
+(``expert_tensor_parallel_size`` = ETP, megatron-core's default: the TP degree; any divisor of
+TP): rank ``r`` of the expert-TP group (which lies inside the TP group) holds the ``I / ETP``
+shard ``r`` of those experts, megatron's checkpoint layout (``loader.etp_shard_state``).
+
+* **Plain reduction** (TP = 1, ``RL_ENGINE_TP_GROUPS`` unset). EP 1: ``moe_experts``. EP > 1:
+  the EP ranks' (token, slot) rows all-gathered (real rows only, in rank order: the
+  concatenated batch), each rank computes the slots of its local experts (``expert_map``; the
+  others are ``+0`` rows), the per-slot outputs are summed over the EP group (one value and
+  zeros per element: exact in any order), each rank keeps its rows, the combine is local.
+  Backward mirrors it: the slot rows' input gradients summed over the group (exact, same
+  argument), each token's slots added in slot order in fp32 with one rounding.
+* **Grouped reduction** (every TP / ETP / EP degree; :class:`_GroupedExperts`). The token rows
+  of the EP group are gathered, a member whose tokens an earlier member holds (a TP replica:
+  at ETP 1 the EP group may be the TP group) contributing none, so the batch is the
+  concatenation, in data-parallel rank order, of the replicas' tokens, identical on every rank
+  of the expert-TP group. Each rank computes the fp32 subtrees of its experts' ``I / ETP``
+  shard (``moe_experts_subtree``: ``G / ETP`` groups; gate / up per column, exact), the
+  expert-TP group combines them with the exchange of the row-parallel layers
+  (:class:`rl_engine.ops.det_gemm.tp.Exchange`: the tree's top levels, one rounding), the EP
+  group sums the per-slot rows (exact), each rank keeps its rows. Backward: the rows'
+  gradients placed in the batch and summed over the EP group (exact); per local expert
+  ``da = g @ w2[e]``, ``dh``, ``dw2[e]``, ``dw13[e]`` are per element of the shard (the
+  TP = 1 values of its columns: det_gemm's column invariance and weight-gradient order over
+  the same rows), and the slot input gradient ``dh @ w13[e]`` (its K, ``2 I``, sharded) is the
+  grouped N reduction of the dense column-parallel fc1 (``glu``: gate group j with up group j),
+  exchanged over the expert-TP group like the forward; the EP sum; the slots added in slot
+  order in fp32. So log-probs, the input gradient and every expert's weight gradient (each
+  rank's shard) equal TP = ETP = EP = 1's bitwise, at every degree dividing ``G = 8``.
+  The router and the shared-expert gate are replicated and see the same rows on every TP
+  rank: their gradients equal TP 1's on every rank.
+
+The expert weights carry ``allreduce = False`` (megatron's mark for expert parameters: their
+gradients are reduced over the expert-data-parallel group, not the data-parallel one).
 
 Refused with a reason (at build time): capacity factors / token dropping / padding to capacity
 (:class:`~rl_engine.ops.moe_experts.TokenDroppingError`), sigmoid scoring, expert bias, group-
 limited routing, top-k scaling, router jitter, aux / z losses, a router dtype other than the
-model's, latent projections, tensor parallelism (TP > 1) and expert tensor parallelism
-(``expert_tensor_parallel_size > 1``: the experts' ``I`` sharded over an expert-TP group; not
-wired here yet: it needs the grouped experts' rank subtrees exchanged over that group, as the
-vLLM adapter does over its TP group).
+model's, latent projections, sequence parallelism with MoE layers at TP > 1 (each TP rank
+would route only its block of the tokens: the router's and the shared-expert gate's weight
+gradients would be partial sums added by megatron's finalize all-reduce, not the TP 1 bits),
+an expert-TP degree that does not divide TP, and (at run time, ``check_split``) an ``I`` the
+grouping cannot split.
 """
 
 from __future__ import annotations
