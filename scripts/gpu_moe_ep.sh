@@ -3,10 +3,14 @@
 # graphs on:
 #   * vLLM at TP t with enable_expert_parallel (EP = t) == TP 1 == the HF trainer, bitwise
 #     (rl_engine.harness.vllm_tp_check --ep), with the stock control (plugin off: TP t + EP vs 1);
-#   * the Megatron trainer, EP 1 vs EP 2 (and 4) (rl_engine.harness.ep_check).
+#   * the Megatron trainer, EP 1 vs EP 2 (and 4) (rl_engine.harness.ep_check); with
+#     MEGATRON_TP=t (and MEGATRON_ETP=e, default t) every EP degree at TP t / ETP e against
+#     TP 1 EP 1, plus the plain-partial-sum control (expected to differ). Ranks: t x the
+#     largest EP degree x ETP / t (at least t), e.g. MEGATRON_TP=2 MEGATRON_EP=1,2: 4 GPUs.
 # Needs CUDA vLLM 0.24 with its MoE kernels (the --moe payload, for the stock control) in
 # /tmp/vllm_site and megatron-core in /tmp/site (scripts/gpu_vllm.sh installs both).
 #   EP_DEGREES="2" MEGATRON_EP=1,2 OUT=/tmp/out bash scripts/gpu_moe_ep.sh
+#   EP_DEGREES="" MEGATRON_TP=2 MEGATRON_EP=1,2 OUT=/tmp/out bash scripts/gpu_moe_ep.sh  (Megatron only)
 # FIRST_GPU=2 starts the vLLM check at GPU 2 (another job on GPUs 0-1).
 # CONTROL=0 skips the stock rollouts; VLLM_ARGS adds arguments to vllm_tp_check (bisection:
 #   VLLM_ARGS="--variant per-group:RL_ENGINE_TP_SUBTREE=per-group --variant eager:enforce_eager=True").
@@ -30,7 +34,24 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 status=0
 pids=()
 first=1
-for t in ${EP_DEGREES:-2}; do
+MTP=${MEGATRON_TP:-1}
+MARGS=""
+[ "$MTP" -gt 1 ] && MARGS="--tp $MTP ${MEGATRON_ETP:+--etp $MEGATRON_ETP} --control"
+# the Megatron check's ranks: TP x DP, DP = ETP x EP / TP when whole (ep_check.layout)
+megatron_ranks() {
+  local need=$1 etp=${MEGATRON_ETP:-$MTP} dp=1
+  [ $(((etp * need) % MTP)) = 0 ] && dp=$((etp * need / MTP))
+  [ "$dp" -lt 1 ] && dp=1
+  echo $((MTP * dp))
+}
+if [ -z "${EP_DEGREES-2}" ] && [ -n "${MEGATRON_EP:-}" ]; then  # the Megatron check alone
+  need=$(megatron_ranks "$(echo "$MEGATRON_EP" | tr , '\n' | sort -n | tail -1)")
+  mdevs=$(seq -s, 0 $((need - 1)))
+  echo "-- Megatron EP $MEGATRON_EP (TP $MTP) on GPUs $mdevs"
+  CUDA_VISIBLE_DEVICES=$mdevs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.ep_check \
+    --model $MODEL --ep "$MEGATRON_EP" $MARGS --device cuda --dtype bfloat16 > "$OUT/megatron_ep.log" 2>&1 || status=1
+fi
+for t in ${EP_DEGREES-2}; do
   devs=$(seq -s, "${FIRST_GPU:-0}" $((${FIRST_GPU:-0} + t - 1)))
   echo "-- vLLM TP $t + EP on GPUs $devs"
   CUDA_VISIBLE_DEVICES=$devs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.vllm_tp_check \
@@ -38,12 +59,12 @@ for t in ${EP_DEGREES:-2}; do
   pids+=($!)
   if [ "$first" = 1 ] && [ -n "${MEGATRON_EP:-}" ]; then
     first=0
-    need=$(echo "$MEGATRON_EP" | tr , '\n' | sort -n | tail -1)
+    need=$(megatron_ranks "$(echo "$MEGATRON_EP" | tr , '\n' | sort -n | tail -1)")
     if [ $((t + need)) -le "$NGPU" ]; then
       mdevs=$(seq -s, "$t" $((t + need - 1)))
-      echo "-- Megatron EP $MEGATRON_EP on GPUs $mdevs"
+      echo "-- Megatron EP $MEGATRON_EP (TP $MTP) on GPUs $mdevs"
       CUDA_VISIBLE_DEVICES=$mdevs timeout "${STEP_TIMEOUT:-540}" $PY -m rl_engine.harness.ep_check \
-        --model $MODEL --ep "$MEGATRON_EP" --device cuda --dtype bfloat16 > "$OUT/megatron_ep.log" 2>&1 &
+        --model $MODEL --ep "$MEGATRON_EP" $MARGS --device cuda --dtype bfloat16 > "$OUT/megatron_ep.log" 2>&1 &
       pids+=($!)
     else
       echo "-- Megatron EP $MEGATRON_EP: not enough GPUs beside vLLM ($NGPU)"

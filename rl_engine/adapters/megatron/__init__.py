@@ -7,7 +7,7 @@
 * :func:`stock_from_pretrained`: the stock local-spec model from the same checkpoint (baseline).
 * :func:`from_pretrained`: a ``GPTModel`` with the rl_engine spec from a Hugging Face Llama /
   Qwen2 / Qwen3 checkpoint, or a Qwen3-MoE / Mixtral / Qwen2-MoE one (:class:`RLMoELayer`,
-  expert parallelism).
+  expert parallelism, tensor and expert tensor parallelism).
 
 Import explicitly (``import rl_engine.adapters.megatron``); needs ``megatron-core``.
 """

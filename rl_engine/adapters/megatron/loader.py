@@ -22,6 +22,7 @@ __all__ = [
     "from_pretrained",
     "hf_config_to_megatron",
     "ep_shard_state",
+    "etp_shard_state",
     "hf_to_megatron_state",
     "megatron_to_hf_state",
     "moe_layers",
@@ -284,7 +285,42 @@ def ep_shard_state(state: dict[str, torch.Tensor], ep: int, rank: int) -> dict[s
     return out
 
 
-def check_tp_shapes(cfg: dict[str, Any], tp: int) -> None:
+def _routed_expert(name: str) -> bool:
+    """Whether ``name`` is a stacked routed-expert weight (``experts.linear_fc1`` / ``fc2``)."""
+    return name.endswith(("experts.linear_fc1.weight", "experts.linear_fc2.weight")) and (
+        ".shared_experts." not in name
+    )
+
+
+def etp_shard_state(state: dict[str, torch.Tensor], etp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shard of the routed experts at expert-TP degree ``etp`` (megatron's
+    layout of expert weights: every expert's ``linear_fc1`` column-parallel, rows
+    ``[gate_r; up_r]``; ``linear_fc2`` row-parallel, columns ``r`` of ``I``); everything else
+    as it is. Exact slices. Raises ``UnsupportedNumericsError`` when ``etp`` does not divide
+    the experts' intermediate size."""
+    out = {}
+    for name, t in state.items():
+        if not _routed_expert(name):
+            out[name] = t
+            continue
+        inter = t.shape[1] // 2 if name.endswith("linear_fc1.weight") else t.shape[2]
+        if inter % etp:
+            raise UnsupportedNumericsError(
+                f"from_pretrained: the experts' intermediate size {inter} does not divide over "
+                f"expert_tensor_parallel_size={etp} ({name})"
+            )
+        n = inter // etp
+        if name.endswith("linear_fc1.weight"):
+            gate, up = t[:, :inter], t[:, inter:]
+            out[name] = torch.cat(
+                [gate[:, rank * n : (rank + 1) * n], up[:, rank * n : (rank + 1) * n]], dim=1
+            ).contiguous()
+        else:
+            out[name] = t[:, :, rank * n : (rank + 1) * n].contiguous()
+    return out
+
+
+def check_tp_shapes(cfg: dict[str, Any], tp: int, etp: int | None = None) -> None:
     """Refuse, at model build, a TP degree or sizes the TP-invariant reductions cannot split:
     the row-parallel K (attention output ``heads x head_dim``, FFN) and the column-parallel N
     of the input gradient (QKV rows, ``[gate; up]``, vocabulary). Nothing to check when the
@@ -305,9 +341,22 @@ def check_tp_shapes(cfg: dict[str, Any], tp: int) -> None:
         "FFN [gate; up] rows": (2 * ffn, True),
         "vocabulary": (cfg["vocab_size"], False),
     }
+    degrees = dict.fromkeys(sizes, tp)
+    spec = _moe_spec(cfg) if cfg.get("model_type") in MOE else None
+    if spec is not None:  # routed experts over the expert-TP group, shared ones over TP
+        etp = tp if etp is None else etp
+        sizes["experts (down projection)"] = (spec.intermediate, False)
+        sizes["experts [gate; up] rows"] = (2 * spec.intermediate, True)
+        degrees["experts (down projection)"] = degrees["experts [gate; up] rows"] = etp
+        if spec.shared_intermediate:
+            sizes["shared expert (down projection)"] = (spec.shared_intermediate, False)
+            sizes["shared expert [gate; up] rows"] = (2 * spec.shared_intermediate, True)
+            degrees["shared expert (down projection)"] = tp
+            degrees["shared expert [gate; up] rows"] = tp
     for what, (size, glu) in sizes.items():
         try:
-            tpm.check_split(size, tp, what=f"from_pretrained: {what}", groups=groups, glu=glu)
+            tpm.check_split(size, degrees[what], what=f"from_pretrained: {what}", groups=groups,
+                            glu=glu)  # fmt: skip
         except ValueError as exc:
             raise UnsupportedNumericsError(str(exc)) from None
 
@@ -344,7 +393,9 @@ def shard_state(
 
     out = {}
     for name, t in state.items():
-        if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+        if _routed_expert(name):  # the expert-TP group's (etp_shard_state)
+            out[name] = t
+        elif name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
             out[name] = rows(t)
         elif name.endswith("linear_qkv.bias"):
             out[name] = rows(t)
@@ -455,9 +506,11 @@ def from_pretrained(
     embeddings, PP = 1, any TP degree Megatron accepts for the shapes (each rank loads its
     shard, :func:`shard_state`; the TP-invariant reductions need a degree in 1, 2, 4, 8).
     Mixture of experts: Qwen3-MoE, Mixtral and Qwen2-MoE (sigmoid-gated shared expert) with
-    :class:`~rl_engine.adapters.megatron.moe.RLMoELayer` (TP = 1; expert parallelism from
-    Megatron's ``expert_model_parallel_size``, each rank loading its experts,
-    :func:`ep_shard_state`). Megatron's model-parallel state must be initialised
+    :class:`~rl_engine.adapters.megatron.moe.RLMoELayer` (any TP degree above, sequence
+    parallelism refused; expert parallelism from Megatron's ``expert_model_parallel_size``,
+    each rank loading its experts, :func:`ep_shard_state`; expert tensor parallelism from its
+    ``expert_tensor_parallel_size`` (ETP = TP, megatron's default, or any divisor of TP), each
+    rank loading its ``I / ETP`` shard of them, :func:`etp_shard_state`). Megatron's model-parallel state must be initialised
     (``parallel_state.initialize_model_parallel``).
 
     Args:
@@ -484,6 +537,8 @@ def from_pretrained(
     rank = parallel_state.get_tensor_model_parallel_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     path = os.fspath(path)
     cfg = _read_config(path)
     dtype = _config_dtype(cfg, dtype)
@@ -502,10 +557,15 @@ def from_pretrained(
             f"from_pretrained: {_num_experts(cfg)} experts do not divide over "
             f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
         )
-    check_tp_shapes(cfg, tp)
+    if etp > 1 and not any(sparse):
+        raise UnsupportedNumericsError(
+            f"from_pretrained: expert_tensor_parallel_size={etp} for a model without MoE layers"
+        )
+    check_tp_shapes(cfg, tp, etp)
     config_overrides.setdefault("tensor_model_parallel_size", tp)
     if any(sparse):
         config_overrides.setdefault("expert_model_parallel_size", ep)
+        config_overrides.setdefault("expert_tensor_parallel_size", etp)
     tcfg = hf_config_to_megatron(cfg, dtype, **config_overrides)
     rope = rope_from_hf_config(cfg)
     spec = get_gpt_block_rl_spec(
@@ -531,6 +591,8 @@ def from_pretrained(
     state = hf_to_megatron_state(hf, cfg, tied)
     if tp > 1:
         state = shard_state(state, cfg, tp, rank)
+    if etp > 1:
+        state = etp_shard_state(state, etp, etp_rank)
     if ep > 1:
         state = ep_shard_state(state, ep, ep_rank)
     own = model.state_dict()

@@ -9,43 +9,69 @@ weight and the *stacked* expert weights as parameters and computes, per token ro
     out = moe_combine(y, weights, shared=shared_expert(x), shared_gate=x @ gate_weight.T)
 
 with every GEMM a ``det_gemm`` (the ops' numerics: DESIGN.md section 1, "Mixture of experts").
-With the TP-invariant reduction on (``RL_ENGINE_TP_GROUPS``; ``groups_for`` of the config's
-TP degree, which is 1 here) the experts run ``moe_experts``' grouped form and the shared
-expert's down projection ``det_gemm_tp``: the bits of a rollout whose experts (and shared
-expert) are TP-sharded, as the dense row-parallel layers do.
+With the TP-invariant reduction on (``groups_for(TP)``: always at TP > 1; at TP 1 with
+``RL_ENGINE_TP_GROUPS=8``) the experts run ``moe_experts``' grouped form (the down product's
+``I`` in ``G`` groups, fp32 pair tree, one rounding) and the shared expert the dense MLP's TP
+layers: the bits of a rollout whose experts (and shared expert) are TP-sharded.
 Megatron's ``TopKRouter``, token dispatchers and ``SequentialMLP`` / ``GroupedMLP`` are not
-used: their permutation, capacity and grouped-GEMM paths change bits with the batch.
+used: their permutation, capacity and grouped-GEMM paths change bits with the batch, and their
+TP / EP combine adds each rank's partially combined tokens in the reduce-scatter's order.
 
-Parameters (names follow megatron where practical)::
+Parameters (names follow megatron; shapes of one rank)::
 
-    router.weight                       [E, H]
-    experts.linear_fc1.weight           [E_local, 2 I, H]   gate rows, then up rows (w13)
-    experts.linear_fc2.weight           [E_local, H, I]     (w2)
-    shared_experts.linear_fc1.weight    [2 I_s, H]          [gate; up] (Qwen2-MoE)
-    shared_experts.linear_fc2.weight    [H, I_s]
-    shared_experts.gate_weight          [1, H]              sigmoid gate logits (Qwen2-MoE)
+    router.weight                       [E, H]                  replicated
+    experts.linear_fc1.weight           [E / EP, 2 I / ETP, H]  [gate_r; up_r] per expert (w13)
+    experts.linear_fc2.weight           [E / EP, H, I / ETP]    columns r of I (w2)
+    shared_experts.linear_fc1.weight    [2 I_s / TP, H]         [gate_r; up_r] (Qwen2-MoE)
+    shared_experts.linear_fc2.weight    [H, I_s / TP]
+    shared_experts.gate_weight          [1, H]                  sigmoid gate logits, replicated
 
-Expert parallelism (``expert_model_parallel_size`` = EP > 1; the EP ranks are data-parallel
-ranks with their own tokens, as in megatron): each rank holds experts
-``[rank * E / EP, (rank + 1) * E / EP)``. The ranks' token rows, expanded to one row per
-(token, slot), are all-gathered (real rows only, in rank order: the concatenated batch); each
-rank computes the slots of its local experts (``expert_map``; the others are ``+0`` rows); the
-per-slot outputs are summed over the EP group (one value and zeros per element: exact in any
-order) and each rank keeps its own rows; the combine is local. Backward mirrors it: the slot
-rows' input gradients are summed over the group (exact, same argument), then each token's
-slots are added in slot order in fp32 with one rounding — the ``moe_experts`` op's own rule —
-so log-probs, input gradients and every expert's weight gradient equal EP = 1's bitwise (the
-expert's rows are the concatenated batch's, in the same order). The expert weights carry
-``allreduce = False`` (megatron's mark for expert parameters: their gradients are reduced
-over the expert-data-parallel group, not the data-parallel one).
+Parallel layouts (megatron's process groups; PP = CP = 1). The TP ranks of a model replica
+hold the same tokens (sequence parallelism is refused with MoE layers, below), the data-parallel
+ranks their own. Expert parallelism (``expert_model_parallel_size`` = EP): rank ``p`` of the EP
+group holds experts ``[p E / EP, (p + 1) E / EP)``. Expert tensor parallelism
+(``expert_tensor_parallel_size`` = ETP, megatron-core's default: the TP degree; any divisor of
+TP): rank ``r`` of the expert-TP group (which lies inside the TP group) holds the ``I / ETP``
+shard ``r`` of those experts, megatron's checkpoint layout (``loader.etp_shard_state``).
+
+* **Plain reduction** (TP = 1, ``RL_ENGINE_TP_GROUPS`` unset). EP 1: ``moe_experts``. EP > 1:
+  the EP ranks' (token, slot) rows all-gathered (real rows only, in rank order: the
+  concatenated batch), each rank computes the slots of its local experts (``expert_map``; the
+  others are ``+0`` rows), the per-slot outputs are summed over the EP group (one value and
+  zeros per element: exact in any order), each rank keeps its rows, the combine is local.
+  Backward mirrors it: the slot rows' input gradients summed over the group (exact, same
+  argument), each token's slots added in slot order in fp32 with one rounding.
+* **Grouped reduction** (every TP / ETP / EP degree; :class:`_GroupedExperts`). The token rows
+  of the EP group are gathered, a member whose tokens an earlier member holds (a TP replica:
+  at ETP 1 the EP group may be the TP group) contributing none, so the batch is the
+  concatenation, in data-parallel rank order, of the replicas' tokens, identical on every rank
+  of the expert-TP group. Each rank computes the fp32 subtrees of its experts' ``I / ETP``
+  shard (``moe_experts_subtree``: ``G / ETP`` groups; gate / up per column, exact), the
+  expert-TP group combines them with the exchange of the row-parallel layers
+  (:class:`rl_engine.ops.det_gemm.tp.Exchange`: the tree's top levels, one rounding), the EP
+  group sums the per-slot rows (exact), each rank keeps its rows. Backward: the rows'
+  gradients placed in the batch and summed over the EP group (exact); per local expert
+  ``da = g @ w2[e]``, ``dh``, ``dw2[e]``, ``dw13[e]`` are per element of the shard (the
+  TP = 1 values of its columns: det_gemm's column invariance and weight-gradient order over
+  the same rows), and the slot input gradient ``dh @ w13[e]`` (its K, ``2 I``, sharded) is the
+  grouped N reduction of the dense column-parallel fc1 (``glu``: gate group j with up group j),
+  exchanged over the expert-TP group like the forward; the EP sum; the slots added in slot
+  order in fp32. So log-probs, the input gradient and every expert's weight gradient (each
+  rank's shard) equal TP = ETP = EP = 1's bitwise, at every degree dividing ``G = 8``.
+  The router and the shared-expert gate are replicated and see the same rows on every TP
+  rank: their gradients equal TP 1's on every rank.
+
+The expert weights carry ``allreduce = False`` (megatron's mark for expert parameters: their
+gradients are reduced over the expert-data-parallel group, not the data-parallel one).
 
 Refused with a reason (at build time): capacity factors / token dropping / padding to capacity
 (:class:`~rl_engine.ops.moe_experts.TokenDroppingError`), sigmoid scoring, expert bias, group-
 limited routing, top-k scaling, router jitter, aux / z losses, a router dtype other than the
-model's, latent projections, tensor parallelism (TP > 1) and expert tensor parallelism
-(``expert_tensor_parallel_size > 1``: the experts' ``I`` sharded over an expert-TP group; not
-wired here yet: it needs the grouped experts' rank subtrees exchanged over that group, as the
-vLLM adapter does over its TP group).
+model's, latent projections, sequence parallelism with MoE layers at TP > 1 (each TP rank
+would route only its block of the tokens: the router's and the shared-expert gate's weight
+gradients would be partial sums added by megatron's finalize all-reduce, not the TP 1 bits),
+an expert-TP degree that does not divide TP, and (at run time, ``check_split``) an ``I`` the
+grouping cannot split.
 """
 
 from __future__ import annotations
@@ -56,7 +82,12 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from rl_engine import ops
-from rl_engine.adapters.megatron.modules import UnsupportedNumericsError, _config_tp, _init_device
+from rl_engine.adapters.megatron.modules import (
+    UnsupportedNumericsError,
+    _config_tp,
+    _init_device,
+    _tp_group,
+)
 from rl_engine.ops.det_gemm import tp as tpm
 from rl_engine.ops.moe_experts import TokenDroppingError, refuse_token_dropping
 
@@ -108,12 +139,16 @@ def _check_config(config: Any) -> None:
     _refuse(not config.gated_linear_unit, "non-gated experts")
     _refuse(config.activation_func is not torch.nn.functional.silu, "an activation but SiLU")
     _refuse(bool(config.add_bias_linear), "expert biases")
-    _refuse(int(config.tensor_model_parallel_size or 1) > 1,
-            "tensor parallelism (TP > 1) with MoE layers")  # fmt: skip
-    etp = getattr(config, "expert_tensor_parallel_size", None)
-    _refuse(etp is not None and int(etp) > 1,
-            "expert tensor parallelism (expert_tensor_parallel_size > 1; its rank subtrees "
-            "are not exchanged over the expert-TP group yet)")  # fmt: skip
+    tp, etp = _config_tp(config), _config_etp(config)
+    _refuse(tp > 1 and bool(getattr(config, "sequence_parallel", False)),
+            "sequence parallelism with MoE layers (each TP rank would route only its block of "
+            "the tokens: the router's and the shared-expert gate's weight gradients would be "
+            "partial sums over the TP ranks, added by megatron's finalize all-reduce in an "
+            "order that is not the TP = 1 one)")  # fmt: skip
+    _refuse(etp > tp or tp % etp,
+            f"expert_tensor_parallel_size={etp} with tensor_model_parallel_size={tp} (the "
+            "expert-TP group must lie inside the TP group, whose ranks hold the same tokens: "
+            "ETP must divide TP)")  # fmt: skip
 
 
 def _ep_group_size_rank() -> tuple[Any, int, int]:
@@ -126,6 +161,34 @@ def _ep_group_size_rank() -> tuple[Any, int, int]:
         return None, 1, 0
     group = parallel_state.get_expert_model_parallel_group()
     return group, ep, parallel_state.get_expert_model_parallel_rank()
+
+
+def _config_etp(config: Any) -> int:
+    """The config's expert-TP degree (megatron-core sets it to the TP degree when unset)."""
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    return _config_tp(config) if etp is None else int(etp)
+
+
+def _etp_group_size_rank() -> tuple[Any, int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 1, 0
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp == 1:
+        return None, 1, 0
+    group = parallel_state.get_expert_tensor_parallel_group()
+    return group, etp, parallel_state.get_expert_tensor_parallel_rank()
+
+
+def _data_parallel_rank() -> int:
+    """The attention data-parallel rank (ranks with equal ones hold the same tokens: the TP
+    ranks of one model replica, sequence parallelism being refused)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_data_parallel_rank()
 
 
 class _Weight(torch.nn.Module):
@@ -157,9 +220,14 @@ class RLSharedExpert(torch.nn.Module):
     def __init__(self, config: Any, size: int, gate: bool) -> None:
         super().__init__()
         self.tp = _config_tp(config)
+        if size % self.tp:
+            raise UnsupportedNumericsError(
+                f"rl_engine Megatron MoE layer: the shared expert's intermediate size {size} "
+                f"does not divide over tensor_model_parallel_size={self.tp}"
+            )
         h = config.hidden_size
-        self.linear_fc1 = _Weight((2 * size, h), config)
-        self.linear_fc2 = _Weight((h, size), config)
+        self.linear_fc1 = _Weight((2 * size // self.tp, h), config)  # [gate_r; up_r]
+        self.linear_fc2 = _Weight((h, size // self.tp), config)
         if gate:
             self.gate_weight = torch.nn.Parameter(
                 torch.empty((1, h), dtype=config.params_dtype, device=_init_device(config))
@@ -171,12 +239,17 @@ class RLSharedExpert(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> (shared output [T, H], gate logits [T, 1] or None)."""
-        a = ops.silu_and_mul(ops.det_gemm(x, self.linear_fc1.weight.t()))
         groups = tpm.groups_for(self.tp)
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if groups is None:
-            out = ops.det_gemm(a, self.linear_fc2.weight.t())
-        else:  # a row-parallel down projection's TP-invariant K reduction, as every engine's
-            out = tpm.det_gemm_tp(a, self.linear_fc2.weight.t(), groups=groups)
+            out = ops.det_gemm(ops.silu_and_mul(ops.det_gemm(x, w1.t())), w2.t())
+        else:  # the dense MLP's TP layers (RLMLP): column-parallel [gate; up] (its input
+            # gradient the grouped N reduction), row-parallel down projection (the grouped K
+            # reduction); TP = 1 runs the same groups
+            ex = tpm.Exchange.over(_tp_group()) if self.tp > 1 else None
+            kw = dict(exchange=ex, tp=self.tp, groups=groups)
+            h = tpm.tp_linear(x, w1, parallel="column", glu=True, **kw)
+            out = tpm.tp_linear(ops.silu_and_mul(h), w2, parallel="row", **kw)
         gate = None if self.gate_weight is None else ops.det_gemm(x, self.gate_weight.t())
         return out, gate
 
@@ -228,14 +301,26 @@ class RLMoELayer(MegatronModule):
                 f"rl_engine Megatron MoE layer: {self.num_experts} experts do not divide over "
                 f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
             )
-        self.ep_size = ep
+        _, etp, self.etp_rank = _etp_group_size_rank()
+        if etp != _config_etp(config):
+            raise ValueError(
+                f"RLMoELayer: expert_tensor_parallel_size={_config_etp(config)} in the config, "
+                f"but megatron's parallel state has an expert-TP group of {etp}"
+            )
+        inter = int(config.moe_ffn_hidden_size)
+        if inter % etp:
+            raise UnsupportedNumericsError(
+                f"rl_engine Megatron MoE layer: moe_ffn_hidden_size={inter} does not divide over "
+                f"expert_tensor_parallel_size={etp}"
+            )
+        self.ep_size, self.etp_size = ep, etp
         self.num_local_experts = self.num_experts // ep
         first = rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         emap = torch.full((self.num_experts,), -1, dtype=torch.long)
         emap[first : first + self.num_local_experts] = torch.arange(self.num_local_experts)
         self.register_buffer("expert_map", emap.to(_init_device(config)), persistent=False)
-        h, i = config.hidden_size, int(config.moe_ffn_hidden_size)
+        h, i = config.hidden_size, inter // etp  # this rank's shard of I: [gate_r; up_r]
         self.router = _Router((self.num_experts, h), config)
         self.experts = torch.nn.Module()
         self.experts.linear_fc1 = _Weight((self.num_local_experts, 2 * i, h), config, expert=True)
@@ -267,10 +352,12 @@ class RLMoELayer(MegatronModule):
         )
         w13, w2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
         groups = tpm.groups_for(_config_tp(self.config))  # the grouped experts (TP_GROUPS)
-        if self.ep_size == 1:
-            y = ops.moe_experts(x, ids, w13, w2, groups=groups)
+        if groups is not None:  # every TP / ETP / EP degree, TP = 1 included
+            y = _grouped_experts(x, ids, w13, w2, self.expert_map, groups, self.etp_size)
+        elif self.ep_size == 1:
+            y = ops.moe_experts(x, ids, w13, w2)
         else:
-            y = _ep_experts(x, ids, w13, w2, self.expert_map, self.top_k, groups)
+            y = _ep_experts(x, ids, w13, w2, self.expert_map, self.top_k)
         shared = gate = None
         if self.shared_experts is not None:
             shared, gate = self.shared_experts(x)
@@ -358,3 +445,161 @@ def _ep_experts(
     start = sum(counts[:rank]) * k
     mine = _SumRowsOverGroup.apply(y.view(-1, x.shape[1]), start, t * k, group)
     return mine.view(t, k, x.shape[1])
+
+
+# ------------------------------------------------------- the grouped experts over TP, ETP, EP
+class _Plan:
+    """Who holds which token rows in the expert-parallel group (module docstring).
+
+    ``counts[j]``: the rows member ``j`` contributes to the gathered batch (0 for a rank whose
+    tokens an earlier member of the group already holds: a TP replica), ``start``: the first
+    gathered row of this rank's tokens, ``mine``: whether this rank contributed them."""
+
+    def __init__(self, t: int, device: torch.device) -> None:
+        from rl_engine.ops.det_gemm.tp import Exchange
+
+        self.ep_group, self.ep, rank = _ep_group_size_rank()
+        self.etp_group, self.etp, _ = _etp_group_size_rank()
+        self.exchange = Exchange.over(self.etp_group) if self.etp > 1 else None
+        self.t, self.counts, self.start, self.mine = t, [t], 0, True
+        if self.ep == 1:
+            return
+        me = torch.tensor([t, _data_parallel_rank()], dtype=torch.long, device=device)
+        got = [torch.empty_like(me) for _ in range(self.ep)]
+        torch.distributed.all_gather(got, me, group=self.ep_group)
+        sizes = [int(g[0].item()) for g in got]
+        keys = [int(g[1].item()) for g in got]
+        first = [keys.index(key) for key in keys]  # the member holding each rank's tokens
+        self.counts = [n if first[j] == j else 0 for j, n in enumerate(sizes)]
+        self.start = sum(self.counts[: first[rank]])
+        self.mine = first[rank] == rank
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [T, ...] -> the group's batch [N, ...] (the contributing members'
+        rows, in member order; identical on every member)."""
+        if self.ep == 1:
+            return x
+        padded = x.new_zeros((max(self.counts), *x.shape[1:]))
+        if self.mine:
+            padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in self.counts]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=self.ep_group)
+        return torch.cat([p[:n] for p, n in zip(parts, self.counts, strict=True)], dim=0)
+
+    def sum_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum over the EP group of rows that are non-zero on one member only: exact."""
+        if self.ep > 1:
+            y = y.contiguous()
+            torch.distributed.all_reduce(y, group=self.ep_group)
+        return y
+
+    def own(self, y: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's (token, slot) rows of the batch's [N k, H]."""
+        return y[self.start * k : (self.start + self.t) * k]
+
+    def combine(self, sub: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The ETP ranks' fp32 subtrees [rows, H] -> the rounded rows (the tree's top levels,
+        one rounding: :class:`~rl_engine.ops.det_gemm.tp.Exchange`)."""
+        if self.exchange is None:
+            return tpm.finish(sub, None, dtype)
+        return self.exchange(sub, None, dtype)
+
+
+def _kernels(provider: str, device: torch.device) -> Any:
+    """The dense ops of the ``moe_experts`` provider ``provider``'s family (its ``det_gemm`` /
+    ``silu_and_mul`` providers of the same name, whose bits its expert rows are), and the
+    ``det_gemm`` provider the grouped input gradient runs (resolved as ``det_gemm_tp``)."""
+    from rl_engine.ops.moe_experts import reference
+    from rl_engine.registry import KernelRegistry
+
+    gemm = tpm._resolve(device.type, provider)
+    if provider == "native":
+        return reference._native(), gemm
+    mm = KernelRegistry.provider("det_gemm", provider)
+    act = KernelRegistry.provider("silu_and_mul", provider)
+    kern = reference.Kernels(mm.fn, mm.extras["wgrad"], act.fn, act.extras["backward"])
+    return kern, gemm
+
+
+def _experts_rows(x, ids, w13, w2, expert_map, groups: int, plan: _Plan, provider: str):
+    """The gathered batch's per-slot expert rows [N k, H] in ``x.dtype``: this rank's fp32
+    subtrees (its experts, its ``I / ETP`` shard; ``+0`` rows for the other experts), combined
+    over the ETP group, rounded once (the negative control of the tests replaces this)."""
+    from rl_engine.ops.moe_experts import moe_experts_subtree
+
+    sub = moe_experts_subtree(x, ids, w13, w2, groups, expert_map=expert_map, backend=provider)
+    return plan.combine(sub.view(-1, x.shape[1]), x.dtype)
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """The grouped experts of one rank of the TP x EP layout (module docstring): [T, k, H].
+
+    Forward: the group's token rows gathered (:class:`_Plan`), :func:`_experts_rows`, the EP
+    sum, this rank's rows. Backward: the rows' gradients placed in the batch and summed over
+    the EP group (each row non-zero on one member: exact); per local expert, as
+    ``moe_experts``' backward (``da``, ``dh``, ``dw2``, ``dw13`` per element of the shard: the
+    TP = 1 values of its columns), but the slot input gradient ``dh @ w13[e]`` (K = 2 I,
+    sharded) is the grouped N reduction (``glu``: gate group j with up group j, as the dense
+    column-parallel fc1), its ETP subtrees combined like the forward's, one rounding; the EP
+    sum; this rank's slots added in slot order in fp32, one rounding."""
+
+    @staticmethod
+    def forward(ctx, x, ids, w13, w2, expert_map, groups, plan, provider):
+        k = ids.shape[1]
+        xs, all_ids = plan.gather(x), plan.gather(ids)
+        emap = expert_map if plan.ep > 1 else None
+        y = plan.sum_rows(_experts_rows(xs, all_ids, w13, w2, emap, groups, plan, provider))
+        ctx.save_for_backward(xs, all_ids, w13, w2, emap)
+        ctx.meta = (groups, plan, provider, x.dtype)
+        return plan.own(y, k).reshape(x.shape[0], k, x.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        from rl_engine.ops.moe_experts import reference
+
+        xs, all_ids, w13, w2, emap = ctx.saved_tensors
+        groups, plan, provider, dtype = ctx.meta
+        n, k = all_ids.shape
+        hdim = xs.shape[1]
+        g = grad.reshape(-1, hdim).to(dtype)
+        if plan.ep > 1:
+            full = g.new_zeros((n * k, hdim))
+            if plan.mine:
+                plan.own(full, k).copy_(g)
+            g = plan.sum_rows(full)
+        kern, gemm = _kernels(provider, xs.device)
+        dsub = torch.zeros((n * k, hdim), dtype=torch.float32, device=xs.device)
+        dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=w13.device)
+        dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device)
+        for e, rows in reference.groups(all_ids, emap, w13.shape[0]):
+            xe, ge = xs[rows // k], g[rows]
+            h = kern.mm(xe, w13[e].t(), None)
+            da = kern.mm(ge, w2[e], None)
+            dw2[e] = kern.wgrad(kern.act(h), ge).t()
+            dh = kern.act_backward(da, h)
+            dw13[e] = kern.wgrad(xe, dh).t()
+            dsub[rows] = tpm.subtree(dh, w13[e], groups, glu=True, backend=gemm)
+        dxs = plan.sum_rows(plan.combine(dsub, dtype))
+        dx = reference.sum_slots(plan.own(dxs, k).reshape(plan.t, k, hdim))
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, None, dw13.to(w13.dtype) if need[2] else None,
+                dw2.to(w2.dtype) if need[3] else None, None, None, None, None)  # fmt: skip
+
+
+def _grouped_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_map: torch.Tensor,
+    groups: int,
+    etp: int,
+) -> torch.Tensor:
+    """``moe_experts(x, ids, W13, W2, groups=groups)`` of the whole experts (module
+    docstring), from this rank's experts and ``I / etp`` shard: [T, k, H]."""
+    from rl_engine.ops.moe_experts import tp as etpm
+
+    tpm.check_split(w2.shape[-1] * etp, etp, what="RLMoELayer experts", groups=groups, glu=False)
+    provider = etpm.resolve(x.device.type)
+    plan = _Plan(x.shape[0], x.device)
+    return _GroupedExperts.apply(x, ids, w13, w2, expert_map, groups // etp, plan, provider)
