@@ -13,6 +13,12 @@
 #   PHASE=kernels the MoE / poly_norm GPU op tests (every component required) on GPU 0 beside the
 #                 MoE layer benchmark vs vLLM's fused_moe and the experts tile sweep on GPU 1.
 #
+# Four-GPU lease:
+#   PHASE=moe4    installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant + stock control on
+#                 GPUs 0-1 (as checks) beside the Megatron MoE trainer TP 2 (ETP 2) == TP 1 with
+#                 its control on GPUs 2-3, then the MoE layer benchmark on GPU 2 beside the GPU
+#                 tests this session fixed (vLLM engine tests on CUDA vLLM, compile tests) on GPU 3.
+#
 # One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
 #   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),
 #                 then the CUDA C++ det_gemm tests + benchmark vs cuBLAS (carry build/csrc).
@@ -70,6 +76,21 @@ case ${PHASE:-checks} in
       tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_grouped_poly_norm_triton.py \
       tests/ops/test_poly_norm.py --junitxml "$OUT/gpu_ops.xml"
     job moe_bench "$T" 1 bash -c "$PY benchmarks/bench_moe.py --out '$OUT/bench' && $PY benchmarks/sweep_moe_experts.py --out '$OUT/bench'"
+    ;;
+  moe4)
+    install
+    make_moe_model || exit 2
+    job vllm_etp2 "$T" 0,1 $PY -m rl_engine.harness.vllm_tp_check --model $MOE_MODEL --tp 2 \
+      --control --variant ep2:enable_expert_parallel=True --json "$OUT/vllm_etp2.json"
+    job megatron_tp2 "${T_MEGATRON:-300}" 2,3 $PY -m rl_engine.harness.ep_check --model $MOE_MODEL \
+      --ep 1 --tp 2 --control --device cuda --dtype bfloat16
+    wait "$!"
+    job moe_bench "$((T - ${T_MEGATRON:-300}))" 2 $PY benchmarks/bench_moe.py --out "$OUT/bench"
+    job fixed_tests "$((T - ${T_MEGATRON:-300}))" 3 bash -c "$PY -m pytest tests/ops -q -p no:logging \
+      -n 8 -k 'compile or cat_equals' --require vllm,megatron > '$OUT/ops_compile.log' 2>&1; \
+      OUT='$OUT/t2' REQUIRE='vllm megatron' SKIP_FUZZ=1 SKIP_BENCH=1 PYTEST_WORKERS=4 \
+      TESTS='tests/adapters/test_vllm_compat.py tests/adapters/test_vllm_plugin.py \
+      tests/adapters/test_vllm_moe.py tests/adapters/test_trainer_vs_vllm.py' bash scripts/gpu_check.sh"
     ;;
   solo_a)
     install
