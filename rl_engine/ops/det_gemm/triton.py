@@ -527,6 +527,36 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _pair_tree_push(x, i: tl.constexpr, lv0, lv1, lv2, lv3, lv4):
+        """Leaf ``i`` (``x``) of an adjacent-pair tree kept as a binary counter; returns ``(x,
+        lv0, .., lv4)`` after it. ``lv<l>`` holds the finished left subtree of 2^l leaves
+        waiting for its right neighbour; the leaf climbs while bit l of ``i`` is 1, ``x = lv<l>
+        + x`` (left + right: pair_tree's order). After the last leaf of a power-of-two count,
+        ``x`` is the whole tree. ``i`` is a constexpr: every branch is resolved at compile
+        time. At most 32 leaves (five levels)."""
+        if i % 2 == 0:
+            lv0 = x
+        else:
+            x = lv0 + x
+            if (i // 2) % 2 == 0:
+                lv1 = x
+            else:
+                x = lv1 + x
+                if (i // 4) % 2 == 0:
+                    lv2 = x
+                else:
+                    x = lv2 + x
+                    if (i // 8) % 2 == 0:
+                        lv3 = x
+                    else:
+                        x = lv3 + x
+                        if (i // 16) % 2 == 0:
+                            lv4 = x
+                        else:
+                            x = lv4 + x
+        return x, lv0, lv1, lv2, lv3, lv4
+
+    @triton.jit
     def _tp_subtree_tile(
         a_ptr, b_ptr, ram, rbn, rk, GL, HALF,
         stride_am, stride_ak, stride_bk, stride_bn,
@@ -535,11 +565,8 @@ if triton is not None:
         IEEE: tl.constexpr,
     ):  # fmt: skip
         """fp32 [BM, BN] tile (rows ``ram``, columns ``rbn``) of the adjacent-pair tree of the
-        ``GROUPS`` group products (each as :func:`_tp_group_product`). The tree as a binary
-        counter (static: GROUPS is a constexpr, every branch below is resolved at compile
-        time): ``lv<l>`` holds the finished left subtree of 2^l groups waiting for its right
-        neighbour; group g's product climbs while bit l of g is 1, ``x = lv<l> + x`` (left +
-        right: pair_tree's order). At most 32 groups (five levels)."""
+        ``GROUPS`` group products (each as :func:`_tp_group_product`), in group order through
+        :func:`_pair_tree_push` (static: GROUPS is a constexpr). At most 32 groups."""
         lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         lv1 = lv0
         lv2 = lv0
@@ -552,26 +579,7 @@ if triton is not None:
                 stride_am, stride_ak, stride_bk, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, GLU, UPCAST, IEEE,
             )  # fmt: skip
-            if g % 2 == 0:
-                lv0 = x
-            else:
-                x = lv0 + x
-                if (g // 2) % 2 == 0:
-                    lv1 = x
-                else:
-                    x = lv1 + x
-                    if (g // 4) % 2 == 0:
-                        lv2 = x
-                    else:
-                        x = lv2 + x
-                        if (g // 8) % 2 == 0:
-                            lv3 = x
-                        else:
-                            x = lv3 + x
-                            if (g // 16) % 2 == 0:
-                                lv4 = x
-                            else:
-                                x = lv4 + x
+            x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_push(x, g, lv0, lv1, lv2, lv3, lv4)
         return x
 
     @triton.jit
