@@ -400,6 +400,37 @@ if triton is not None:
         return tl.load(c_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
 
     @triton.jit
+    def _wgrad_tile(pid, N, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """``(ro, rn, rt)`` of weight-gradient program ``pid``: its output rows ``ro`` (a's
+        columns) and columns ``rn`` (g's; column tiles fastest) and the token offsets ``rt``."""
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        pid_o = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        ro = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rt = tl.arange(0, BLOCK_T)
+        return ro, rn, rt
+
+    @triton.jit
+    def _wgrad_step(
+        part, a_ptr, g_ptr, a_rows, g_rows, tmask, ro_c, rn_c,
+        stride_at, stride_ak, stride_gt, stride_gn, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """``part`` + one token step of a weight-gradient tile: ``a[a_rows, ro_c].T @ g[g_rows,
+        rn_c]`` (tokens where ``tmask`` is false load as 0)."""
+        a_t = tl.load(
+            a_ptr + a_rows[None, :] * stride_at + ro_c[:, None] * stride_ak,
+            mask=tmask[None, :],
+            other=0.0,
+        )
+        g = tl.load(
+            g_ptr + g_rows[:, None] * stride_gt + rn_c[None, :] * stride_gn,
+            mask=tmask[:, None],
+            other=0.0,
+        )
+        return _dot_acc(a_t, g, part, UPCAST, IEEE)
+
+    @triton.jit
     def _det_gemm_wgrad_kernel(
         a_ptr,
         g_ptr,
@@ -429,12 +460,7 @@ if triton is not None:
         # ACC_INIT (one split, fp32 out): the sum starts from out instead of 0
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_o = pid // num_pid_n
-        pid_n = pid % num_pid_n
-        ro = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rt = tl.arange(0, BLOCK_T)
+        ro, rn, rt = _wgrad_tile(pid, N, BLOCK_O, BLOCK_N, BLOCK_T)
         if INT64:
             ro = ro.to(tl.int64)
             rn = rn.to(tl.int64)
@@ -452,17 +478,10 @@ if triton is not None:
             # steps past the last token would add exact zeros: the chunk stops at T
             for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
                 t = t0 + rt
-                a_t = tl.load(
-                    a_ptr + t[None, :] * stride_at + ro_c[:, None] * stride_ak,
-                    mask=t[None, :] < T,
-                    other=0.0,
-                )
-                g = tl.load(
-                    g_ptr + t[:, None] * stride_gt + rn_c[None, :] * stride_gn,
-                    mask=t[:, None] < T,
-                    other=0.0,
-                )
-                part = _dot_acc(a_t, g, part, UPCAST, IEEE)
+                part = _wgrad_step(
+                    part, a_ptr, g_ptr, t, t, t < T, ro_c, rn_c,
+                    stride_at, stride_ak, stride_gt, stride_gn, UPCAST, IEEE,
+                )  # fmt: skip
             total = total + part
         o_ptrs = out_ptr + split * stride_os + ro[:, None] * stride_ok + rn[None, :] * stride_on
         tl.store(
