@@ -42,6 +42,11 @@ def _inputs(t, dtype, e=E, k=K, h=H, seed=1):
     return x, ids.to(DEVICE)
 
 
+def _case(t, dtype):
+    """``(x, ids, w13, w2)``: ``t`` token rows with their expert ids and the default weights."""
+    return (*_inputs(t, dtype), *_weights(dtype))
+
+
 def _alone(x_row, e, w13, w2):
     """The expert MLP of one row alone through the det_gemm / silu_and_mul Triton providers."""
     hh = gemm_triton.det_gemm(x_row[None], w13[e].t())
@@ -133,8 +138,7 @@ def test_max_blocks_is_a_bound():
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("t", [1, 7, 33])
 def test_rows_equal_det_gemm_alone(t, dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(t, dtype)
+    x, ids, w13, w2 = _case(t, dtype)
     y = mt.moe_experts(x, ids, w13, w2)
     assert y.shape == (t, K, H) and y.dtype == dtype
     _check_rows_per_expert(x, ids, w13, w2, y)
@@ -144,8 +148,7 @@ def test_rows_equal_det_gemm_alone(t, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_batch_subset_and_config_invariance(dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(33, dtype)
+    x, ids, w13, w2 = _case(33, dtype)
     full = mt.moe_experts(x, ids, w13, w2)
     for m in (1, 5, 17):
         assert_bitwise(mt.moe_experts(x[:m], ids[:m], w13, w2), full[:m], f"first {m} rows")
@@ -160,8 +163,7 @@ def test_batch_subset_and_config_invariance(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_empty_experts_and_all_to_one(dtype):
-    w13, w2 = _weights(dtype)
-    x, _ = _inputs(9, dtype)
+    x, _, w13, w2 = _case(9, dtype)
     one = torch.full((9, K), 5, dtype=torch.int64, device=DEVICE)  # all slots to expert 5
     y = mt.moe_experts(x, one, w13, w2)
     _check_rows_per_expert(x, one, w13, w2, y)
@@ -176,8 +178,7 @@ def test_empty_experts_and_all_to_one(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_expert_map_zero_rows(dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(33, dtype)
+    x, ids, w13, w2 = _case(33, dtype)
     emap = torch.tensor([0, 1, -1, 2, 3, -1, 4, 5], device=DEVICE)
     keep = [0, 1, 3, 4, 6, 7]
     y = mt.moe_experts(x, ids, w13[keep], w2[keep], emap)
@@ -195,8 +196,7 @@ def test_expert_map_zero_rows(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_forward_vs_reference(dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(33, dtype)
+    x, ids, w13, w2 = _case(33, dtype)
     got = mt.moe_experts(x, ids, w13, w2)
     want = reference.moe_experts(x, ids, w13, w2)  # the native family, same roundings
     rtol, atol = tolerance(dtype, k=max(H, FFN))
@@ -218,8 +218,7 @@ def _backward_composed(dy, x, ids, w13, w2):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_backward_bits(dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(17, dtype)
+    x, ids, w13, w2 = _case(17, dtype)
     ids[:5] = torch.tensor([3, 1], device=DEVICE)
     dy = torch.randn(17, K, H, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
     dx, dw13, dw2 = mt.moe_experts_backward(dy, x, ids, w13, w2)
@@ -245,8 +244,7 @@ def test_backward_bits(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_backward_expert_map_and_reference(dtype):
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(17, dtype)
+    x, ids, w13, w2 = _case(17, dtype)
     dy = torch.randn(17, K, H, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
     emap = torch.tensor([0, 1, -1, 2, 3, -1, 4, 5], device=DEVICE)
     keep = [0, 1, 3, 4, 6, 7]
@@ -269,8 +267,7 @@ def test_public_op_and_autograd(monkeypatch):
     dtype = torch.float32
     op = KernelRegistry.get_op("moe_experts", device=DEVICE, backend="triton")
     assert op.provider.name == "triton" and op.numerics.startswith("moe_experts/triton")
-    w13, w2 = _weights(dtype)
-    x, ids = _inputs(3, dtype)
+    x, ids, w13, w2 = _case(3, dtype)
     x.requires_grad_(True)
     w13.requires_grad_(True)
     w2.requires_grad_(True)
@@ -320,8 +317,7 @@ def test_gpu_qwen3_shapes_rows_alone(t):
 @pytest.mark.parametrize("t", [1, 17, 130, 400])
 def test_gpu_rows_alone_every_bucket(t):
     for dtype in (torch.bfloat16, torch.float16):
-        w13, w2 = _weights(dtype)
-        x, ids = _inputs(t, dtype)
+        x, ids, w13, w2 = _case(t, dtype)
         y = mt.moe_experts(x, ids, w13, w2)
         _check_rows_alone(x, ids, w13, w2, y, [(i, s) for i in range(min(t, 20)) for s in range(K)])
         _check_rows_per_expert(x, ids, w13, w2, y)

@@ -64,6 +64,8 @@ _BLOCK = 1024  # elements per program step
 
 
 if triton is not None:
+    # the tree's adds exactly as det_gemm's TP subtree kernel makes them: its own function
+    from rl_engine.ops.det_gemm.triton import _pair_tree_push
 
     @triton.jit
     def _oneshot_barrier(ptrs_ptr, me, rank, slot, epoch, WORLD: tl.constexpr):
@@ -102,7 +104,8 @@ if triton is not None:
     ):
         # out[i] = (tree over ranks j of sub_j[first + i]) (+ bias[(first + i) % N]), rounded
         # once; sub_j at word DATA of rank j's buffer (ptrs_ptr[j]). The tree: adjacent pairs,
-        # level by level (lv<l>: the left subtree of 2^l ranks waiting for its neighbour).
+        # level by level (_pair_tree_push; lv<l>: the left subtree of 2^l ranks waiting for its
+        # neighbour).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         me = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
@@ -117,22 +120,13 @@ if triton is not None:
             lv0 = tl.zeros((BLOCK,), dtype=tl.float32)
             lv1 = lv0
             lv2 = lv0
+            lv3 = lv0
+            lv4 = lv0
             x = lv0
             for j in tl.static_range(WORLD):
                 base = tl.load(ptrs_ptr + j).to(tl.pointer_type(tl.float32))
                 x = tl.load(base + DATA + src, mask=mask, other=0.0, cache_modifier=".cv")
-                if j % 2 == 0:
-                    lv0 = x
-                else:
-                    x = lv0 + x
-                    if (j // 2) % 2 == 0:
-                        lv1 = x
-                    else:
-                        x = lv1 + x
-                        if (j // 4) % 2 == 0:
-                            lv2 = x
-                        else:
-                            x = lv2 + x
+                x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_push(x, j, lv0, lv1, lv2, lv3, lv4)
             if HAS_BIAS:
                 x = x + tl.load(bias_ptr + src % N, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)

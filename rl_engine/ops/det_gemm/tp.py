@@ -37,6 +37,7 @@ Cost: 1.5x the bytes of a bf16 ring all-reduce at every degree (:class:`Exchange
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -545,8 +546,6 @@ def register_grouped(
     invariant ``base`` provider not registered yet, same name, devices, dtypes, version and
     opt-in, numerics ``{op}/g{TP_GROUPS}[<base provider's family>]``, function ``fn(name)``,
     availability the base provider's (``available(name, base's)``: a narrower one)."""
-    from rl_engine.registry import Provider
-
     KernelRegistry.register_op(op, entry=entry, reference=reference)
     have = {p.name for p in KernelRegistry.providers(op)}
     for prov in KernelRegistry.providers(base):
@@ -554,17 +553,13 @@ def register_grouped(
             continue
         avail = prov.available if available is None else available(prov.name, prov.available)
         KernelRegistry.register_provider(
-            Provider(
+            dataclasses.replace(  # the rest (name, devices, dtypes, version, opt_in) as base's
+                prov,
                 op=op,
-                name=prov.name,
-                devices=prov.devices,
-                dtypes=prov.dtypes,
-                invariant=True,
                 numerics=f"{op}/g{TP_GROUPS}[{prov.numerics}]",
                 fn=fn(prov.name),
-                version=prov.version,
                 available=avail,
-                opt_in=prov.opt_in,
+                extras={},
             )
         )
 

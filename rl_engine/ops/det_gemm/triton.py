@@ -400,6 +400,37 @@ if triton is not None:
         return tl.load(c_ptrs, mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
 
     @triton.jit
+    def _wgrad_tile(pid, N, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """``(ro, rn, rt)`` of weight-gradient program ``pid``: its output rows ``ro`` (a's
+        columns) and columns ``rn`` (g's; column tiles fastest) and the token offsets ``rt``."""
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        pid_o = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        ro = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rt = tl.arange(0, BLOCK_T)
+        return ro, rn, rt
+
+    @triton.jit
+    def _wgrad_step(
+        part, a_ptr, g_ptr, a_rows, g_rows, tmask, ro_c, rn_c,
+        stride_at, stride_ak, stride_gt, stride_gn, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """``part`` + one token step of a weight-gradient tile: ``a[a_rows, ro_c].T @ g[g_rows,
+        rn_c]`` (tokens where ``tmask`` is false load as 0)."""
+        a_t = tl.load(
+            a_ptr + a_rows[None, :] * stride_at + ro_c[:, None] * stride_ak,
+            mask=tmask[None, :],
+            other=0.0,
+        )
+        g = tl.load(
+            g_ptr + g_rows[:, None] * stride_gt + rn_c[None, :] * stride_gn,
+            mask=tmask[:, None],
+            other=0.0,
+        )
+        return _dot_acc(a_t, g, part, UPCAST, IEEE)
+
+    @triton.jit
     def _det_gemm_wgrad_kernel(
         a_ptr,
         g_ptr,
@@ -429,12 +460,7 @@ if triton is not None:
         # ACC_INIT (one split, fp32 out): the sum starts from out instead of 0
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_o = pid // num_pid_n
-        pid_n = pid % num_pid_n
-        ro = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rt = tl.arange(0, BLOCK_T)
+        ro, rn, rt = _wgrad_tile(pid, N, BLOCK_O, BLOCK_N, BLOCK_T)
         if INT64:
             ro = ro.to(tl.int64)
             rn = rn.to(tl.int64)
@@ -452,17 +478,10 @@ if triton is not None:
             # steps past the last token would add exact zeros: the chunk stops at T
             for t0 in range(c0, tl.minimum(c0 + CHUNK, T), BLOCK_T):
                 t = t0 + rt
-                a_t = tl.load(
-                    a_ptr + t[None, :] * stride_at + ro_c[:, None] * stride_ak,
-                    mask=t[None, :] < T,
-                    other=0.0,
-                )
-                g = tl.load(
-                    g_ptr + t[:, None] * stride_gt + rn_c[None, :] * stride_gn,
-                    mask=t[:, None] < T,
-                    other=0.0,
-                )
-                part = _dot_acc(a_t, g, part, UPCAST, IEEE)
+                part = _wgrad_step(
+                    part, a_ptr, g_ptr, t, t, t < T, ro_c, rn_c,
+                    stride_at, stride_ak, stride_gt, stride_gn, UPCAST, IEEE,
+                )  # fmt: skip
             total = total + part
         o_ptrs = out_ptr + split * stride_os + ro[:, None] * stride_ok + rn[None, :] * stride_on
         tl.store(
@@ -527,6 +546,36 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _pair_tree_push(x, i: tl.constexpr, lv0, lv1, lv2, lv3, lv4):
+        """Leaf ``i`` (``x``) of an adjacent-pair tree kept as a binary counter; returns ``(x,
+        lv0, .., lv4)`` after it. ``lv<l>`` holds the finished left subtree of 2^l leaves
+        waiting for its right neighbour; the leaf climbs while bit l of ``i`` is 1, ``x = lv<l>
+        + x`` (left + right: pair_tree's order). After the last leaf of a power-of-two count,
+        ``x`` is the whole tree. ``i`` is a constexpr: every branch is resolved at compile
+        time. At most 32 leaves (five levels)."""
+        if i % 2 == 0:
+            lv0 = x
+        else:
+            x = lv0 + x
+            if (i // 2) % 2 == 0:
+                lv1 = x
+            else:
+                x = lv1 + x
+                if (i // 4) % 2 == 0:
+                    lv2 = x
+                else:
+                    x = lv2 + x
+                    if (i // 8) % 2 == 0:
+                        lv3 = x
+                    else:
+                        x = lv3 + x
+                        if (i // 16) % 2 == 0:
+                            lv4 = x
+                        else:
+                            x = lv4 + x
+        return x, lv0, lv1, lv2, lv3, lv4
+
+    @triton.jit
     def _tp_subtree_tile(
         a_ptr, b_ptr, ram, rbn, rk, GL, HALF,
         stride_am, stride_ak, stride_bk, stride_bn,
@@ -535,11 +584,8 @@ if triton is not None:
         IEEE: tl.constexpr,
     ):  # fmt: skip
         """fp32 [BM, BN] tile (rows ``ram``, columns ``rbn``) of the adjacent-pair tree of the
-        ``GROUPS`` group products (each as :func:`_tp_group_product`). The tree as a binary
-        counter (static: GROUPS is a constexpr, every branch below is resolved at compile
-        time): ``lv<l>`` holds the finished left subtree of 2^l groups waiting for its right
-        neighbour; group g's product climbs while bit l of g is 1, ``x = lv<l> + x`` (left +
-        right: pair_tree's order). At most 32 groups (five levels)."""
+        ``GROUPS`` group products (each as :func:`_tp_group_product`), in group order through
+        :func:`_pair_tree_push` (static: GROUPS is a constexpr). At most 32 groups."""
         lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         lv1 = lv0
         lv2 = lv0
@@ -552,26 +598,7 @@ if triton is not None:
                 stride_am, stride_ak, stride_bk, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_K, CHUNK, GLU, UPCAST, IEEE,
             )  # fmt: skip
-            if g % 2 == 0:
-                lv0 = x
-            else:
-                x = lv0 + x
-                if (g // 2) % 2 == 0:
-                    lv1 = x
-                else:
-                    x = lv1 + x
-                    if (g // 4) % 2 == 0:
-                        lv2 = x
-                    else:
-                        x = lv2 + x
-                        if (g // 8) % 2 == 0:
-                            lv3 = x
-                        else:
-                            x = lv3 + x
-                            if (g // 16) % 2 == 0:
-                                lv4 = x
-                            else:
-                                x = lv4 + x
+            x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_push(x, g, lv0, lv1, lv2, lv3, lv4)
         return x
 
     @triton.jit

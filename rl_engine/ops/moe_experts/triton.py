@@ -168,8 +168,14 @@ def all_configs(dtype: torch.dtype) -> list[MoeGemmConfig]:
 
 
 if triton is not None:
-    # ``acc + a @ b`` exactly as det_gemm's kernels compute it: their own function
-    from rl_engine.ops.det_gemm.triton import _dot_acc, _tp_subtree_tile
+    # ``acc + a @ b``, the TP subtree tile and the weight-gradient steps exactly as det_gemm's
+    # kernels compute them: their own functions
+    from rl_engine.ops.det_gemm.triton import (
+        _dot_acc,
+        _tp_subtree_tile,
+        _wgrad_step,
+        _wgrad_tile,
+    )
 
     @triton.jit
     def _chunk(
@@ -324,12 +330,7 @@ if triton is not None:
         # _det_gemm_wgrad_kernel over the expert's rows.
         e = tl.program_id(1)
         pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_o = pid // num_pid_n
-        pid_n = pid % num_pid_n
-        ro = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rt = tl.arange(0, BLOCK_T)
+        ro, rn, rt = _wgrad_tile(pid, N, BLOCK_O, BLOCK_N, BLOCK_T)
         ro_c = ro % KO
         rn_c = rn % N
         start = tl.load(row_start_ptr + e).to(tl.int64)
@@ -346,17 +347,10 @@ if triton is not None:
                     a_row = (slot // a_div).to(tl.int64)
                 else:
                     a_row = r
-                a_t = tl.load(
-                    a_ptr + a_row[None, :] * stride_am + ro_c[:, None] * stride_ak,
-                    mask=tmask[None, :],
-                    other=0.0,
-                )
-                g = tl.load(
-                    g_ptr + r[:, None] * stride_gm + rn_c[None, :] * stride_gn,
-                    mask=tmask[:, None],
-                    other=0.0,
-                )
-                part = _dot_acc(a_t, g, part, UPCAST, IEEE)
+                part = _wgrad_step(
+                    part, a_ptr, g_ptr, a_row, r, tmask, ro_c, rn_c,
+                    stride_am, stride_ak, stride_gm, stride_gn, UPCAST, IEEE,
+                )  # fmt: skip
             total = total + part
         o_ptrs = (
             out_ptr + e.to(tl.int64) * stride_oe + ro[:, None] * stride_ok + rn[None, :] * stride_on

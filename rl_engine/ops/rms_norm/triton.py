@@ -246,16 +246,17 @@ if triton is not None:
         return ptr + rows[:, None] * stride + cols[None, :]
 
     @triton.jit
-    def _load_r_g(r_ptr, g_ptr, rows, cols, mask, stride_r, stride_g):
-        # a backward tile: r and grad of rows ``rows`` (zeros where masked)
-        r = tl.load(_tile_ptrs(r_ptr, rows, stride_r, cols), mask=mask, other=0.0)
-        g = tl.load(_tile_ptrs(g_ptr, rows, stride_g, cols), mask=mask, other=0.0)
-        return r, g
-
-    @triton.jit
     def _chunk_mask(rows, end, cmask):
         # the elements of rows ``rows`` before the chunk's end row ``end``, in the H columns
         return (rows[:, None] < end) & cmask[None, :]
+
+    @triton.jit
+    def _load_r_g(r_ptr, g_ptr, rows, end, cols, cmask, stride_r, stride_g):
+        # a backward tile: r and grad of rows ``rows`` (zeros outside _chunk_mask) and the mask
+        mask = _chunk_mask(rows, end, cmask)
+        r = tl.load(_tile_ptrs(r_ptr, rows, stride_r, cols), mask=mask, other=0.0)
+        g = tl.load(_tile_ptrs(g_ptr, rows, stride_g, cols), mask=mask, other=0.0)
+        return r, g, mask
 
     @triton.jit
     def _rms_norm_fwd_kernel(
@@ -430,16 +431,16 @@ if triton is not None:
             # reductions, so they are in flight while it computes (rows past the chunk are
             # masked, so nothing is read twice)
             rows0 = first + tl.arange(0, ROWS)
-            mask0 = _chunk_mask(rows0, end, cmask)
-            r_next, g_next = _load_r_g(r_ptr, g_ptr, rows0, cols, mask0, stride_r, stride_g)
+            r_next, g_next, _ = _load_r_g(r_ptr, g_ptr, rows0, end, cols, cmask, stride_r, stride_g)
             for i in range(0, end - first, ROWS):
                 rows = first + i + tl.arange(0, ROWS)
                 mask = _chunk_mask(rows, end, cmask)
                 x = r_next
                 dy = g_next
                 nrows = rows + ROWS
-                nmask = _chunk_mask(nrows, end, cmask)
-                r_next, g_next = _load_r_g(r_ptr, g_ptr, nrows, cols, nmask, stride_r, stride_g)
+                r_next, g_next, _ = _load_r_g(
+                    r_ptr, g_ptr, nrows, end, cols, cmask, stride_r, stride_g
+                )
                 acc = _bwd_tile_step(
                     acc, x, dy, rows, mask, cols, cmask, w, w_ptr, gs_ptr, dx_ptr,
                     stride_gs, stride_dx, eps, H, STORE_DX, HAS_GS, RELOAD_W,
@@ -449,8 +450,7 @@ if triton is not None:
             # ahead (through shared memory where it can)
             for i in tl.range(0, end - first, ROWS, num_stages=STAGES):
                 rows = first + i + tl.arange(0, ROWS)
-                mask = _chunk_mask(rows, end, cmask)
-                x, dy = _load_r_g(r_ptr, g_ptr, rows, cols, mask, stride_r, stride_g)
+                x, dy, mask = _load_r_g(r_ptr, g_ptr, rows, end, cols, cmask, stride_r, stride_g)
                 acc = _bwd_tile_step(
                     acc, x, dy, rows, mask, cols, cmask, w, w_ptr, gs_ptr, dx_ptr,
                     stride_gs, stride_dx, eps, H, STORE_DX, HAS_GS, RELOAD_W,
