@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from rl_engine.harness import _spawn
-from rl_engine.harness.tp_check import batch
+from rl_engine.harness.tp_check import batch, grad_mismatches
 
 LENGTHS = (7, 12, 4, 9, 5, 11, 3, 6)
 
@@ -178,10 +178,7 @@ def compare(base: list[dict[str, Any]], other: list[dict[str, Any]],
         cfg = _read_config(model)
         dense = {n: g for n, g in ref.items() if n not in experts}
         want_dense = shard_state(dense, cfg, tp, tp_rank) if tp > 1 else dense
-        for name, g in want_dense.items():
-            mine = res["grads"].get(name)
-            if mine is None or mine.shape != g.shape or not torch.equal(mine, g):
-                bad.append(f"rank {r}: gradient of {name} differs from the base run's shard")
+        bad += grad_mismatches(r, res["grads"], want_dense, want_dense, "the base run's shard")
     return bad
 
 

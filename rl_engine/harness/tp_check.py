@@ -143,10 +143,18 @@ def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
             d = (res["logp"].float() - base[0]["logp"].float()).abs().max().item()
             bad.append(f"rank {r}: log-probs differ from TP = 1 (max |d| {d:.3g})")
         want = shard_state(base[0]["grads"], cfg, t, r)
-        for name, g in res["grads"].items():
-            ref = want.get(name)
-            if ref is None or ref.shape != g.shape or not torch.equal(ref, g):
-                bad.append(f"rank {r}: gradient of {name} differs from TP = 1's shard")
+        bad += grad_mismatches(r, res["grads"], want, res["grads"], "TP = 1's shard")
+    return bad
+
+
+def grad_mismatches(rank: int, got: dict, want: dict, names: Any, what: str) -> list[str]:
+    """A line for each of ``names`` whose gradient in ``got`` (rank ``rank``'s) is missing or
+    is not bitwise ``want``'s (``what`` names ``want``)."""
+    bad = []
+    for name in names:
+        mine, ref = got.get(name), want.get(name)
+        if mine is None or ref is None or mine.shape != ref.shape or not torch.equal(mine, ref):
+            bad.append(f"rank {rank}: gradient of {name} differs from {what}")
     return bad
 
 

@@ -231,28 +231,15 @@ def test_ep2_equals_ep1(ckpts, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- refusals
-def _moe_config(**kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    base = dict(
-        num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=64,
-        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        moe_router_load_balancing_type="none", use_cpu_initialization=True,
-    )  # fmt: skip
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
 def test_refuses_token_dropping():
     from rl_engine.adapters.megatron import RLMoELayer
     from rl_engine.ops.moe_experts import TokenDroppingError
 
     with pytest.raises(TokenDroppingError, match="moe_expert_capacity_factor=1.0"):
-        RLMoELayer(_moe_config(moe_expert_capacity_factor=1.0))
+        RLMoELayer(tc.moe_config(moe_expert_capacity_factor=1.0))
     with pytest.raises(TokenDroppingError, match="pad_expert_input_to_capacity"):
         RLMoELayer(
-            _moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+            tc.moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
         )
 
 
@@ -270,7 +257,7 @@ def test_refuses_unsupported_router_settings(kw, what):
     from rl_engine.adapters.megatron import RLMoELayer, UnsupportedNumericsError
 
     with pytest.raises(UnsupportedNumericsError, match=what):
-        RLMoELayer(_moe_config(**kw))
+        RLMoELayer(tc.moe_config(**kw))
 
 
 def test_refuses_experts_not_dividing_over_ep(ckpts):

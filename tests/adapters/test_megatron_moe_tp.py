@@ -28,6 +28,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
+import trainer_cases as tc  # noqa: E402  (tests/adapters: shared inputs)
+
 from rl_engine.adapters.megatron import UnsupportedNumericsError  # noqa: E402
 from rl_engine.harness import ep_check  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
@@ -156,26 +158,13 @@ def test_tp1_grouped_equals_hf(qwen3, base3):
 
 
 # ---------------------------------------------------------------------------------- refusals
-def _moe_config(**kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    base = dict(
-        num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=64,
-        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        moe_router_load_balancing_type="none", use_cpu_initialization=True,
-    )  # fmt: skip
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
 def test_refuses_sequence_parallel_and_etp_not_dividing_tp():
     from rl_engine.adapters.megatron import RLMoELayer
 
     with pytest.raises(UnsupportedNumericsError, match="sequence parallelism with MoE layers"):
-        RLMoELayer(_moe_config(tensor_model_parallel_size=2, sequence_parallel=True))
+        RLMoELayer(tc.moe_config(tensor_model_parallel_size=2, sequence_parallel=True))
     with pytest.raises(UnsupportedNumericsError, match="ETP must divide TP"):
-        RLMoELayer(_moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=4))
+        RLMoELayer(tc.moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=4))
 
 
 def test_expert_shapes_the_grouping_cannot_split_are_refused():

@@ -256,3 +256,18 @@ def load_hf(path, dtype: str, patch: bool = True, device: str = "cpu"):
     if patch:
         ha.patch_model(model)
     return model
+
+
+def moe_config(**kw):
+    """A one-layer megatron ``TransformerConfig`` with MoE layers (8 experts, top-2, SiLU GLU,
+    no aux loss), ``kw`` on top: for the MoE layer's refusal tests."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=64,
+        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        moe_router_load_balancing_type="none", use_cpu_initialization=True,
+    )  # fmt: skip
+    base.update(kw)
+    return TransformerConfig(**base)

@@ -151,34 +151,27 @@ def _check_config(config: Any) -> None:
             "ETP must divide TP)")  # fmt: skip
 
 
-def _ep_group_size_rank() -> tuple[Any, int, int]:
-    from megatron.core import parallel_state
+def _group_size_rank(kind: str) -> tuple[Any, int, int]:
+    """``(group, size, rank)`` of megatron's ``kind`` parallel group (``"expert_model"``: EP,
+    ``"expert_tensor"``: expert TP); ``(None, 1, 0)`` for one rank or no parallel state."""
+    from megatron.core import parallel_state as ps
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not ps.model_parallel_is_initialized():
         return None, 1, 0
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    if ep == 1:
+    size = getattr(ps, f"get_{kind}_parallel_world_size")()
+    if size == 1:
         return None, 1, 0
-    group = parallel_state.get_expert_model_parallel_group()
-    return group, ep, parallel_state.get_expert_model_parallel_rank()
+    return (
+        getattr(ps, f"get_{kind}_parallel_group")(),
+        size,
+        getattr(ps, f"get_{kind}_parallel_rank")(),
+    )
 
 
 def _config_etp(config: Any) -> int:
     """The config's expert-TP degree (megatron-core sets it to the TP degree when unset)."""
     etp = getattr(config, "expert_tensor_parallel_size", None)
     return _config_tp(config) if etp is None else int(etp)
-
-
-def _etp_group_size_rank() -> tuple[Any, int, int]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None, 1, 0
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
-    if etp == 1:
-        return None, 1, 0
-    group = parallel_state.get_expert_tensor_parallel_group()
-    return group, etp, parallel_state.get_expert_tensor_parallel_rank()
 
 
 def _data_parallel_rank() -> int:
@@ -290,7 +283,7 @@ class RLMoELayer(MegatronModule):
         self.layer_number = layer_number
         self.num_experts = int(config.num_moe_experts)
         self.top_k = int(config.moe_router_topk)
-        _, ep, rank = _ep_group_size_rank()
+        _, ep, rank = _group_size_rank("expert_model")
         if ep != int(getattr(config, "expert_model_parallel_size", 1) or 1):
             raise ValueError(
                 f"RLMoELayer: expert_model_parallel_size={config.expert_model_parallel_size} in "
@@ -301,7 +294,7 @@ class RLMoELayer(MegatronModule):
                 f"rl_engine Megatron MoE layer: {self.num_experts} experts do not divide over "
                 f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
             )
-        _, etp, self.etp_rank = _etp_group_size_rank()
+        _, etp, self.etp_rank = _group_size_rank("expert_tensor")
         if etp != _config_etp(config):
             raise ValueError(
                 f"RLMoELayer: expert_tensor_parallel_size={_config_etp(config)} in the config, "
@@ -428,7 +421,7 @@ def _ep_experts(
     groups: int | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` over the expert-parallel group (module docstring): [T, k, H]."""
-    group, ep, rank = _ep_group_size_rank()
+    group, ep, rank = _group_size_rank("expert_model")
     t = x.shape[0]
     n = torch.tensor([t], dtype=torch.long, device=x.device)
     sizes = [torch.empty_like(n) for _ in range(ep)]
@@ -458,8 +451,8 @@ class _Plan:
     def __init__(self, t: int, device: torch.device) -> None:
         from rl_engine.ops.det_gemm.tp import Exchange
 
-        self.ep_group, self.ep, rank = _ep_group_size_rank()
-        self.etp_group, self.etp, _ = _etp_group_size_rank()
+        self.ep_group, self.ep, rank = _group_size_rank("expert_model")
+        self.etp_group, self.etp, _ = _group_size_rank("expert_tensor")
         self.exchange = Exchange.over(self.etp_group) if self.etp > 1 else None
         self.t, self.counts, self.start, self.mine = t, [t], 0, True
         if self.ep == 1:
@@ -572,12 +565,9 @@ class _GroupedExperts(torch.autograd.Function):
         dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=w13.device)
         dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device)
         for e, rows in reference.groups(all_ids, emap, w13.shape[0]):
-            xe, ge = xs[rows // k], g[rows]
-            h = kern.mm(xe, w13[e].t(), None)
-            da = kern.mm(ge, w2[e], None)
-            dw2[e] = kern.wgrad(kern.act(h), ge).t()
-            dh = kern.act_backward(da, h)
-            dw13[e] = kern.wgrad(xe, dh).t()
+            dh, dw13[e], dw2[e] = reference.expert_backward(
+                xs[rows // k], g[rows], w13[e], w2[e], kern
+            )
             dsub[rows] = tpm.subtree(dh, w13[e], groups, glu=True, backend=gemm)
         dxs = plan.sum_rows(plan.combine(dsub, dtype))
         dx = reference.sum_slots(plan.own(dxs, k).reshape(plan.t, k, hdim))

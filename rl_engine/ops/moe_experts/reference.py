@@ -206,6 +206,16 @@ def experts_subtree(x, ids, w13, w2, groups: int, expert_map, kern: Kernels) -> 
     return y.view(t, k, x.shape[1])
 
 
+def expert_backward(xe, g, w13e, w2e, kern: Kernels):
+    """One expert's ``(dh, dw13, dw2)`` for its rows ``xe`` and their output gradient ``g``:
+    ``dh`` the gate / up outputs' gradient, the weight gradients in fp32 (module docstring)."""
+    h = kern.mm(xe, w13e.t(), None)
+    da = kern.mm(g, w2e, None)
+    dw2 = kern.wgrad(kern.act(h), g).t()
+    dh = kern.act_backward(da, h)
+    return dh, kern.wgrad(xe, dh).t(), dw2
+
+
 def experts_backward(grad, x, ids, w13, w2, expert_map, kern: Kernels):
     """``(dx, dw13, dw2)`` of the module docstring with one family's dense ops."""
     t, k = ids.shape
@@ -214,12 +224,7 @@ def experts_backward(grad, x, ids, w13, w2, expert_map, kern: Kernels):
     dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=w13.device)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device)
     for e, rows in groups(ids, expert_map, w13.shape[0]):
-        xe, g = x[rows // k], g_rows[rows]
-        h = kern.mm(xe, w13[e].t(), None)
-        da = kern.mm(g, w2[e], None)
-        dw2[e] = kern.wgrad(kern.act(h), g).t()
-        dh = kern.act_backward(da, h)
-        dw13[e] = kern.wgrad(xe, dh).t()
+        dh, dw13[e], dw2[e] = expert_backward(x[rows // k], g_rows[rows], w13[e], w2[e], kern)
         dx_slots[rows] = kern.mm(dh, w13[e], None)
     return sum_slots(dx_slots.view(t, k, -1)), dw13.to(w13.dtype), dw2.to(w2.dtype)
 
