@@ -557,9 +557,10 @@ def from_pretrained(
             f"from_pretrained: {_num_experts(cfg)} experts do not divide over "
             f"expert_model_parallel_size={ep} (each rank holds E / EP whole experts)"
         )
-    if etp > 1 and not any(sparse):
+    if etp not in (1, tp) and not any(sparse):  # megatron-core's default ETP is the TP degree
         raise UnsupportedNumericsError(
-            f"from_pretrained: expert_tensor_parallel_size={etp} for a model without MoE layers"
+            f"from_pretrained: expert_tensor_parallel_size={etp} (TP {tp}) for a model without "
+            "MoE layers"
         )
     check_tp_shapes(cfg, tp, etp)
     config_overrides.setdefault("tensor_model_parallel_size", tp)
