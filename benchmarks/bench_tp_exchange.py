@@ -1,8 +1,8 @@
 """Benchmark of the TP-invariant exchange against NCCL's all-reduce, on 2 / 4 / 8 GPUs of one host.
 
-Usage: ``python benchmarks/bench_tp_exchange.py [--out DIR] [--quick] [--ranks N]``
-(``--device cpu``: gloo ranks on the CPU, small shapes: a smoke run of the script, not a
-measurement; tests/test_bench_tp_exchange.py).
+Usage: ``python benchmarks/bench_tp_exchange.py [--out DIR] [--quick] [--ranks N]
+[--node-dtype {fp32,bf16,both}]`` (``--device cpu``: gloo ranks on the CPU, small shapes: a smoke
+run of the script, not a measurement; tests/test_bench_tp_exchange.py).
 
 Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at every TP degree
 ``t`` (powers of two from 2 up to the GPU count, at most 8), bf16, hidden 4096:
@@ -26,6 +26,20 @@ Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at 
   exchange is the switch point (``ONESHOT_MAX_BYTES``, provisional until this runs). The layer
   rows add ``rl_engine_per_group_*`` (the group products as one launch each: the path before the
   one-launch kernel) and, up to 256 tokens, ``rl_engine_oneshot_*``.
+
+* ``node_dtype`` (``--node-dtype bf16`` or ``both``; issue 44 item 4): what bf16 tree nodes
+  across ranks would save, at decode sizes (1 - 256 tokens x 4096). The same exchange timed with
+  the fp32 subtrees (shipped) and with bf16 subtrees of the same element count (half the bytes):
+  the NCCL ``Exchange`` (bf16 all-to-all, the received blocks widened to fp32 for the tree's top
+  levels, one rounding, bf16 all-gather: ``exchange_fp32`` / ``exchange_bf16``) and a plain NCCL
+  all-gather of the whole subtree (``allgather_fp32`` / ``allgather_bf16``: the one-shot
+  exchange's traffic pattern), with NCCL's bf16 all-reduce and, on CUDA, the one-shot exchange
+  (``oneshot_fp32``) as references. The one-shot kernel reads fp32 subtrees only (its buffer is
+  fp32), so the bf16 payload is timed over NCCL only. Every rank's outputs are checked bitwise
+  against the tree over the all-gathered subtrees (fp32 and bf16-rounded), so the bf16 rows time
+  exactly the numerics ``benchmarks/tp_node_dtype.py`` measures. ``--node-dtype fp32`` (default):
+  the parts above only (unchanged); ``bf16``: this part only (``DIR/tp_exchange_node_dtype.json``:
+  the shipped results are not overwritten); ``both``: every part.
 
 Times: CUDA events around ``iters`` back-to-back calls after a barrier, the slowest rank's
 median of 5 repeats (microseconds); eager (what a trainer pays, host launch cost included) and
@@ -231,7 +245,89 @@ def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex, one=N
     return r
 
 
-def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
+NODE_TOKENS = ONESHOT_TOKENS  # the node-dtype part: decode sizes
+
+
+def _bf16_exchange(group):
+    """The NCCL exchange with bf16 subtrees: the received blocks are widened to fp32 for the
+    tree's top levels (bf16 nodes, fp32 adds, one rounding)."""
+    from rl_engine.ops.det_gemm.tp import Exchange
+
+    base = Exchange.over(group, one_shot=False)
+    return Exchange(lambda x: base.all_to_all(x).float(), base.all_gather, base.rank, base.world)
+
+
+def _node_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dict]:
+    from rl_engine.ops.det_gemm.tp import Exchange
+
+    ex32, ex16 = Exchange.over(group, one_shot=False), _bf16_exchange(group)
+    one = _one_shot(group, hidden, tokens) if dev.type == "cuda" else None
+    return [
+        _node_case(dist, group, t, rank, dev, timers, m, hidden, ex32, ex16, one) for m in tokens
+    ]
+
+
+def _node_case(dist, group, t, rank, dev, timers, m, hidden, ex32, ex16, one) -> dict:
+    from rl_engine.ops.det_gemm import tp as tpm
+
+    timed, graphed = timers
+    bf16 = torch.bfloat16
+    sub = torch.randn(m, hidden, device=dev)  # this rank's fp32 subtree
+    sub16 = sub.to(bf16)  # the same subtree as a bf16 node (rounded where it is computed)
+    part = sub.to(bf16)
+    got32, got16 = sub.new_empty(t * m, hidden), sub16.new_empty(t * m, hidden)
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    paths = {
+        "all_reduce": lambda: dist.all_reduce(part, group=group),
+        "allgather_fp32": lambda: gather_into(got32, sub, group=group),
+        "allgather_bf16": lambda: gather_into(got16, sub16, group=group),
+        "exchange_fp32": lambda: ex32(sub, None, bf16),
+        "exchange_bf16": lambda: ex16(sub16, None, bf16),
+    }
+    if one is not None:
+        paths["oneshot_fp32"] = lambda: one(sub, None, bf16)
+    # the bits: every rank's outputs == the tree over every rank's subtree (gathered)
+    gather_into(got32, sub, group=group)
+    every = got32.view(t, m, hidden)
+    want32 = tpm.finish(tpm.combine(list(every)), None, bf16)
+    want16 = tpm.finish(tpm.combine(list(every.to(bf16).float())), None, bf16)
+    same = torch.equal(ex32(sub, None, bf16), want32)
+    same = same and torch.equal(ex16(sub16, None, bf16), want16)
+    if one is not None:
+        same = same and torch.equal(one(sub, None, bf16), want32)
+    ok = torch.tensor([float(same)], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    r = {
+        "part": "node_dtype",
+        "tp": t,
+        "tokens": m,
+        "hidden": hidden,
+        "subtree_bytes_fp32": 4 * m * hidden,
+        "subtree_bytes_bf16": 2 * m * hidden,
+        "bitwise_equal_tree": bool(ok.item()),
+    }
+    for name, fn in paths.items():
+        r[f"{name}_us"] = timed(fn)
+        r[f"{name}_graph_us"] = graphed(fn)
+
+    def best(name):  # graph replay (what vLLM's decode pays) where it ran, else eager
+        return r[f"{name}_graph_us"] or r[f"{name}_us"]
+
+    r["exchange_bf16_vs_fp32"] = best("exchange_bf16") / best("exchange_fp32")
+    r["allgather_bf16_vs_fp32"] = best("allgather_bf16") / best("allgather_fp32")
+    if one is not None:
+        r["exchange_bf16_vs_oneshot_fp32"] = best("exchange_bf16") / best("oneshot_fp32")
+    if rank == 0:
+        print(f"TP {t} nodes M={m:4d}: exchange bf16 / fp32 {r['exchange_bf16_vs_fp32']:.2f}x, "
+              f"all-gather bf16 / fp32 {r['allgather_bf16_vs_fp32']:.2f}x"
+              + (f", exchange bf16 / one-shot fp32 {r['exchange_bf16_vs_oneshot_fp32']:.2f}x"
+                 if one is not None else "")
+              + f"; bits: {r['bitwise_equal_tree']}", flush=True)  # fmt: skip
+    return r
+
+
+def _worker(rank: int, world: int, store: str, out: str, quick: bool,
+            node_dtype: str = "fp32") -> None:  # fmt: skip
     from rl_engine.harness._spawn import init
 
     dist = init(rank, world, store)
@@ -247,6 +343,8 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
     else:
         tokens, layer_tokens, iters = (64,), (16, 13), 2
         hidden, layers = SMOKE["hidden"], SMOKE["layers"]
+    small = (1, 16, 64, 256) if quick else NODE_TOKENS
+    node_tokens = small if cuda else (1, 16)
     degrees = [d for d in (2, 4, 8) if d <= world]
     rows: list[dict] = []
     for t in degrees:
@@ -254,11 +352,13 @@ def _worker(rank: int, world: int, store: str, out: str, quick: bool) -> None:
         if rank < t:
             timer = RankTimer(dist, group, iters, cuda=cuda)
             timers = (timer.eager, timer.graph)
-            rows += _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden)
-            rows += _layer_rows(dist, group, t, rank, dev, timers, layer_tokens, hidden, layers)
-            if cuda:
-                small = (1, 16, 64, 256) if quick else ONESHOT_TOKENS
-                rows += _oneshot_rows(dist, group, t, rank, dev, timers, small, hidden)
+            if node_dtype != "bf16":  # the shipped fp32 nodes' parts
+                rows += _collective_rows(dist, group, t, rank, dev, timers, tokens, hidden)
+                rows += _layer_rows(dist, group, t, rank, dev, timers, layer_tokens, hidden, layers)
+                if cuda:
+                    rows += _oneshot_rows(dist, group, t, rank, dev, timers, small, hidden)
+            if node_dtype != "fp32":
+                rows += _node_rows(dist, group, t, rank, dev, timers, node_tokens, hidden)
         dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -300,6 +400,13 @@ def main() -> int:
     def extra(p):
         p.add_argument("--ranks", type=int, default=None, help="processes (default: every GPU)")
         p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+        p.add_argument(
+            "--node-dtype",
+            choices=("fp32", "bf16", "both"),
+            default="fp32",
+            help="fp32: the shipped exchange's parts; bf16: only the fp32-vs-bf16 subtree "
+            "payload part (tp_exchange_node_dtype.json); both: every part",
+        )
 
     args = common.parse_args(__doc__.splitlines()[0], extra)
     from rl_engine.harness._spawn import spawn
@@ -311,7 +418,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        spawn(_worker, ranks, (out, args.quick), args.device)
+        spawn(_worker, ranks, (out, args.quick, args.node_dtype), args.device)
         rows = json.loads(Path(out).read_text())
     coll = [r for r in rows if r["part"] == "collective"]
     layer = [r for r in rows if r["part"] == "layer"]
@@ -343,8 +450,17 @@ def main() -> int:
             # the largest message where one-shot still beats the NCCL exchange (graph replay)
             wins = [r["fp32_bytes"] for r in rs if r["oneshot_vs_exchange_graph"] < 1.0]
             summary[f"tp{t}_oneshot_wins_up_to_bytes"] = max(wins) if wins else 0
+    nodes = [r for r in rows if r["part"] == "node_dtype"]
+    for t in sorted({r["tp"] for r in nodes}):
+        rs = [r for r in nodes if r["tp"] == t]
+        for key in ("exchange_bf16_vs_fp32", "allgather_bf16_vs_fp32",
+                    "exchange_bf16_vs_oneshot_fp32"):  # fmt: skip
+            if all(key in r for r in rs):
+                summary[f"tp{t}_{key}"] = common.geomean([r[key] for r in rs])
     summary["layers_bitwise_equal_tp1"] = all(r["bitwise_equal_tp1"] for r in layer)
     summary["oneshot_bitwise_equal_nccl"] = all(r["bitwise_equal_nccl_exchange"] for r in one)
+    if nodes:
+        summary["node_dtype_bitwise_equal_tree"] = all(r["bitwise_equal_tree"] for r in nodes)
     fields = {
         "ranks": ranks,
         "backend": "nccl" if args.device == "cuda" else "gloo (smoke run, not a measurement)",
@@ -353,9 +469,20 @@ def main() -> int:
         "ratio_definition": "rl_engine time / baseline time (lower is better); the all-reduce's "
         "time without the copy of its input (all_reduce_us - clone_us)",
         "bytes_ratio_on_paper": 1.5,
+        "node_dtype": args.node_dtype,
     }
-    common.finish(args.out, "tp_exchange", fields, summary=summary, rows=rows, plot=plot)
+    if nodes:
+        fields["node_dtype_definition"] = (
+            "time with bf16 subtrees / time with fp32 subtrees (same element count), CUDA-graph "
+            "replay where it ran, else eager; the one-shot kernel takes fp32 subtrees only: "
+            "bf16 timed over NCCL (exchange, all-gather), one-shot fp32 as the reference"
+        )
+    bf16_only = args.node_dtype == "bf16"
+    op = "tp_exchange_node_dtype" if bf16_only else "tp_exchange"
+    common.finish(args.out, op, fields, summary=summary, rows=rows,
+                  plot=None if bf16_only else plot)  # fmt: skip
     ok = summary["layers_bitwise_equal_tp1"] and summary["oneshot_bitwise_equal_nccl"]
+    ok = ok and summary.get("node_dtype_bitwise_equal_tree", True)
     return 0 if ok else 1
 
 

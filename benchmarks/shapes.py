@@ -33,6 +33,7 @@ _PROJECTIONS: dict[str, GemmShape] = {
         GemmShape("qwen3-8b.gate_up_proj", 4096, 24576),
         GemmShape("qwen3-8b.lm_head", 4096, 151936),
         GemmShape("qwen3-32b.q_proj", 5120, 8192),
+        GemmShape("qwen3-30b-a3b.expert_down", 768, 2048),  # one expert's down projection
     )
 }
 
@@ -54,6 +55,12 @@ CSRC_GEMM_SHAPES = _grid(
     "llama3-8b.gate_up_proj",
     "llama3-8b.down_proj",
     "qwen3-8b.lm_head",
+)
+
+# Row-parallel layers (K sharded under TP): Llama-3-8B o_proj / down_proj and a Qwen3-30B-A3B
+# expert's down projection (benchmarks/tp_node_dtype.py).
+TP_ROW_PARALLEL_SHAPES = _grid(
+    "llama3-8b.o_proj", "llama3-8b.down_proj", "qwen3-30b-a3b.expert_down"
 )
 
 # Further real projections (not in the acceptance grid; for wider sweeps).
