@@ -60,7 +60,7 @@ for step in ${STEPS:-e2e}; do
       cmd=($PY -m pytest -q -p no:logging tests/ops/test_moe_experts_triton.py tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py) ;;
     moe-bench) cmd=($PY benchmarks/bench_moe.py --out "$RES") ;;  # vs vLLM's fused_moe
     moe-sweep) cmd=($PY benchmarks/sweep_moe_experts.py --out "$RES") ;;  # experts tile sweep
-    moe-train) cmd=($PY benchmarks/bench_moe_train.py --out "$RES") ;;  # fwd+bwd vs transformers
+    moe-train) cmd=($PY benchmarks/bench_moe_train.py --out "$RES") ;;  # fwd+bwd vs HF, megatron-core
     tp) cmd=(env VLLM_TP=0 bash scripts/gpu_tp.sh) ;;  # Megatron + FSDP2 over 2 GPUs
     tp-vllm) cmd=(env VLLM_TP=1 bash scripts/gpu_tp.sh) ;;  # vLLM TP 2 with CUDA graphs
     audit)  # a Qwen2-shaped checkpoint (QKV bias, tied), bf16, both sides on the GPU
