@@ -25,9 +25,10 @@ rounding are its own). bf16 operands, which the interpreter stores as raw ``uint
 multiplies as integers, are decoded to their values here; fp8 operands are refused.
 
 The dot is swapped in only while a kernel launched by rl_engine runs (:class:`FixedOrderKernel`),
-so kernels of other libraries in the same process keep the interpreter's own. So is the fast path
-of declared sum reductions (:func:`sequential_sum_combiner`), which changes the interpreter's
-speed, not its bits.
+so kernels of other libraries in the same process keep the interpreter's own. So are two changes
+of the interpreter's speed, not its bits: the fast path of declared sum reductions
+(:func:`sequential_sum_combiner`), and the language patched once per launch (:func:`_patch_once`)
+instead of again at every ``@triton.jit`` helper call.
 """
 
 from __future__ import annotations
@@ -129,32 +130,79 @@ def _create_dot(a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_
     return TensorHandle(out.astype(acc.dtype, copy=False), d.dtype.scalar)
 
 
+# This thread's rl_engine launches in progress, innermost last: [patched, lang module ids].
+_launches = threading.local()
+_ORIGINAL_PATCH_LANG: list[Any] = []
+
+
+def _lang_ids(fn: Any) -> frozenset[int]:
+    """The Triton language modules (``tl``, ``tl.core``) that ``fn``'s globals see, as the
+    interpreter's ``_patch_lang`` finds them."""
+    import triton.language as tl
+
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+
+def _patch_once(fn: Any) -> Any:
+    """The interpreter's ``_patch_lang`` during rl_engine's launches: the launch's own call (the
+    first) patches; a ``@triton.jit`` helper called inside the kernel, whose language modules the
+    launch has patched already, is not patched again. Triton's interpreter patches them again at
+    every helper call (``InterpretedFunction.__call__``), a scan of the language's members that
+    finds them all patched (its wrappers are not builtins) and rewraps a few core functions with
+    the same behaviour; its scope is never restored. In det_gemm's kernels that was ~20% of the
+    interpreter's time; the patched language, hence every bit, is the same."""
+    stack = getattr(_launches, "stack", None)
+    original = _ORIGINAL_PATCH_LANG[0]
+    if not stack:  # not inside an rl_engine launch on this thread
+        return original(fn)
+    state = stack[-1]
+    langs = _lang_ids(fn)
+    if state[0] and langs <= state[1]:
+        from triton.runtime.interpreter import _LangPatchScope
+
+        return _LangPatchScope()  # nothing to restore
+    scope = original(fn)
+    state[0] = True
+    state[1] = state[1] | langs  # a helper's patches stay until the launch's restore
+    return scope
+
+
 class _DotSwap:
-    """Context: the interpreter's builder computes ``tl.dot`` with :func:`_create_dot`."""
+    """Context: the interpreter's builder computes ``tl.dot`` with :func:`_create_dot` (and
+    declared sums with :func:`_sequential_sum_reduce`, the language patched per launch with
+    :func:`_patch_once`)."""
 
     _depth = 0
 
     def __enter__(self) -> None:
-        from triton.runtime.interpreter import interpreter_builder
+        from triton.runtime import interpreter
 
         _lock.acquire()
         if _DotSwap._depth == 0:
             from triton.runtime.interpreter import ReduceOps
 
-            interpreter_builder.create_dot = _create_dot  # instance attribute shadows the method
+            # instance attribute shadows the method
+            interpreter.interpreter_builder.create_dot = _create_dot
             _ORIGINAL_GENERIC_REDUCE.append(ReduceOps.generic_reduce)
             ReduceOps.generic_reduce = _sequential_sum_reduce
+            _ORIGINAL_PATCH_LANG.append(interpreter._patch_lang)
+            interpreter._patch_lang = _patch_once
         _DotSwap._depth += 1
+        if not hasattr(_launches, "stack"):
+            _launches.stack = []
+        _launches.stack.append([False, frozenset()])
 
     def __exit__(self, *exc: Any) -> None:
-        from triton.runtime.interpreter import interpreter_builder
+        from triton.runtime import interpreter
 
+        _launches.stack.pop()
         _DotSwap._depth -= 1
         if _DotSwap._depth == 0:
             from triton.runtime.interpreter import ReduceOps
 
-            del interpreter_builder.create_dot
+            del interpreter.interpreter_builder.create_dot
             ReduceOps.generic_reduce = _ORIGINAL_GENERIC_REDUCE.pop()
+            interpreter._patch_lang = _ORIGINAL_PATCH_LANG.pop()
         _lock.release()
 
 

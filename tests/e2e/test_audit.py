@@ -101,23 +101,35 @@ def test_audit_default_megatron(tmp_path):
         ),
     ],
 )
-def test_audit_bad_input(tmp_path, extra, message):
-    proc = _audit(tmp_path, *extra)
-    assert proc.returncode == 2
-    assert message in proc.stderr
+def test_audit_bad_input(tmp_path, capsys, extra, message):
+    # in this process (the checks run before any worker starts): a subprocess per case cost
+    # ~10 s of CI each in interpreter start and imports; test_audit_bad_input_exit_status runs
+    # one case through ``python -m rl_engine.audit``
+    rc = _cli([*SMALL, "--out", str(tmp_path / "out"), *extra])
+    assert rc == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists(), "nothing half-written"
 
 
-def test_audit_empty_prompt_file_and_unsupported_arch(tmp_path):
+def test_audit_bad_input_exit_status(tmp_path):
+    """The module's exit status and stderr on bad input (the other cases run in process)."""
+    proc = _audit(tmp_path, "--temperature", "nan")
+    assert proc.returncode == 2
+    assert "--temperature must be > 0, got nan" in proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing half-written"
+
+
+def test_audit_empty_prompt_file_and_unsupported_arch(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    proc = _audit(tmp_path, "--prompts", str(empty))
-    assert proc.returncode == 2 and "holds no prompts" in proc.stderr
+    out = str(tmp_path / "out")
+    assert _cli([*SMALL, "--out", out, "--prompts", str(empty)]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
     model = tmp_path / "gpt2"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    proc = _audit(tmp_path, "--model", str(model))
-    assert proc.returncode == 2 and "unsupported architecture" in proc.stderr
+    assert _cli([*SMALL, "--out", out, "--model", str(model)]) == 2
+    assert "unsupported architecture" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

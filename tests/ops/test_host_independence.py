@@ -349,3 +349,52 @@ def test_the_guard_catches_blas(call):
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     with pytest.raises(AssertionError, match="BLAS-backed"), _NoBlas():
         call(a, b)
+
+
+@triton.jit
+def _scaled_exp_helper(x, scale):
+    return tl.exp(x * scale) + tl.sqrt(tl.abs(x))
+
+
+@triton.jit
+def _helper_calls_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    y = _scaled_exp_helper(x, 0.5)
+    y = _scaled_exp_helper(y, 0.25) + tl.sum(x, 0)
+    tl.store(y_ptr + offs, y)
+
+
+@needs_interpreter
+def test_triton_language_patched_once_per_launch_keeps_the_bits(monkeypatch):
+    """rl_engine's launches patch the language once (the launch's own patch), not again at
+    each @triton.jit helper call: the same bits as Triton's own interpreter path, and the
+    interpreter's ``_patch_lang`` restored after the launch."""
+    from triton.runtime import interpreter
+
+    from rl_engine.ops import _triton
+
+    original = interpreter._patch_lang
+    calls = []
+
+    def counting(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+
+    monkeypatch.setattr(interpreter, "_patch_lang", counting)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2))
+
+    def run(kern):
+        y = torch.empty_like(x)
+        kern[(1,)](x, y, N=64)
+        return y
+
+    fast = run(_triton.interpreted(_helper_calls_kernel, x.device))
+    # the launch's patch; tl.sum (triton.language.standard sees tl.core, which this module's
+    # kernel does not) patches tl.core once; this module's helper, called twice, never
+    assert calls == ["_helper_calls_kernel", "sum"], calls
+    assert interpreter._patch_lang is counting  # restored after the launch
+    calls.clear()
+    slow = run(interpreter.InterpretedFunction(_helper_calls_kernel.fn))  # Triton's own path
+    assert calls.count("_scaled_exp_helper") == 2, calls
+    assert torch.equal(fast, slow)
