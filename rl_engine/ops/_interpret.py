@@ -143,6 +143,12 @@ def _lang_ids(fn: Any) -> frozenset[int]:
     return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
 
 
+def _patch_once_fits(interpreter: Any) -> bool:
+    """Whether this Triton's interpreter has the two private names :func:`_patch_once` relies
+    on (a Triton without them runs its own per-call patching: slower, the same bits)."""
+    return hasattr(interpreter, "_patch_lang") and hasattr(interpreter, "_LangPatchScope")
+
+
 def _patch_once(fn: Any) -> Any:
     """The interpreter's ``_patch_lang`` during rl_engine's launches: the launch's own call (the
     first) patches; a ``@triton.jit`` helper called inside the kernel, whose language modules the
@@ -185,8 +191,9 @@ class _DotSwap:
             interpreter.interpreter_builder.create_dot = _create_dot
             _ORIGINAL_GENERIC_REDUCE.append(ReduceOps.generic_reduce)
             ReduceOps.generic_reduce = _sequential_sum_reduce
-            _ORIGINAL_PATCH_LANG.append(interpreter._patch_lang)
-            interpreter._patch_lang = _patch_once
+            if _patch_once_fits(interpreter):  # speed only: another Triton keeps its own
+                _ORIGINAL_PATCH_LANG.append(interpreter._patch_lang)
+                interpreter._patch_lang = _patch_once
         _DotSwap._depth += 1
         if not hasattr(_launches, "stack"):
             _launches.stack = []
@@ -202,7 +209,8 @@ class _DotSwap:
 
             del interpreter.interpreter_builder.create_dot
             ReduceOps.generic_reduce = _ORIGINAL_GENERIC_REDUCE.pop()
-            interpreter._patch_lang = _ORIGINAL_PATCH_LANG.pop()
+            if _ORIGINAL_PATCH_LANG:
+                interpreter._patch_lang = _ORIGINAL_PATCH_LANG.pop()
         _lock.release()
 
 
