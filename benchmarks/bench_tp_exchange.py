@@ -140,20 +140,27 @@ def _oneshot_rows(dist, group, t, rank, dev, timers, tokens, hidden) -> list[dic
     return [_oneshot_case(dist, group, t, rank, dev, timers, m, hidden, one, nccl) for m in tokens]
 
 
+def _case_row(part: str, t: int, m: int, hidden: int) -> dict:
+    """The fields that name a row: its part, TP degree, token count and hidden size."""
+    return {"part": part, "tp": t, "tokens": m, "hidden": hidden}
+
+
+def _every_rank(dist, group, same: bool, dev) -> bool:
+    """Whether ``same`` holds on every rank of ``group``."""
+    ok = torch.tensor([float(same)], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item())
+
+
 def _oneshot_case(dist, group, t, rank, dev, timers, m, hidden, one, nccl) -> dict:
     timed, graphed = timers
     sub = torch.randn(m, hidden, device=dev)
     part = sub.to(torch.bfloat16)
     same = torch.equal(one(sub, None, torch.bfloat16), nccl(sub, None, torch.bfloat16))
-    ok = torch.tensor([float(same)], device=dev)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     r = {
-        "part": "oneshot",
-        "tp": t,
-        "tokens": m,
-        "hidden": hidden,
+        **_case_row("oneshot", t, m, hidden),
         "fp32_bytes": 4 * m * hidden,
-        "bitwise_equal_nccl_exchange": bool(ok.item()),
+        "bitwise_equal_nccl_exchange": _every_rank(dist, group, same, dev),
         "all_reduce_us": timed(lambda: dist.all_reduce(part, group=group)),
         "exchange_us": timed(lambda: nccl(sub, None, torch.bfloat16)),
         "oneshot_us": timed(lambda: one(sub, None, torch.bfloat16)),
@@ -213,9 +220,7 @@ def _layer_case(dist, group, t, rank, dev, timers, m, hidden, name, k, ex, one=N
     paths = [ours, per_group] + ([oneshot] if one is not None and m <= 256 else [])
     # every rank's output == the TP = 1 grouped product (one device), all ranks agreeing
     want = tpm.det_gemm_tp(x, w.t())
-    ok = torch.tensor([float(all(torch.equal(f(), want) for f in paths))], device=dev)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    same = bool(ok.item())
+    same = _every_rank(dist, group, all(torch.equal(f(), want) for f in paths), dev)
     r = {
         "part": "layer",
         "layer": name,
@@ -295,16 +300,11 @@ def _node_case(dist, group, t, rank, dev, timers, m, hidden, ex32, ex16, one) ->
     same = same and torch.equal(ex16(sub16, None, bf16), want16)
     if one is not None:
         same = same and torch.equal(one(sub, None, bf16), want32)
-    ok = torch.tensor([float(same)], device=dev)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     r = {
-        "part": "node_dtype",
-        "tp": t,
-        "tokens": m,
-        "hidden": hidden,
+        **_case_row("node_dtype", t, m, hidden),
         "subtree_bytes_fp32": 4 * m * hidden,
         "subtree_bytes_bf16": 2 * m * hidden,
-        "bitwise_equal_tree": bool(ok.item()),
+        "bitwise_equal_tree": _every_rank(dist, group, same, dev),
     }
     for name, fn in paths.items():
         r[f"{name}_us"] = timed(fn)
