@@ -18,6 +18,8 @@
 #                 GPUs 0-1 (as checks) beside the Megatron MoE trainer TP 2 (ETP 2) == TP 1 with
 #                 its control on GPUs 2-3, then the MoE layer benchmark on GPU 2 beside the GPU
 #                 tests this session fixed (vLLM engine tests on CUDA vLLM, compile tests) on GPU 3.
+#                 Give it T_JOB=560: the vLLM job starts four engines (420 s was too short on
+#                 4 x H200, 2026-11-28).
 #
 # One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
 #   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),

@@ -13,6 +13,7 @@ reduction too). Prints one line per degree and exits non-zero on a mismatch.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -147,7 +148,7 @@ def compare(model: str, base: list[dict], other: list[dict]) -> list[str]:
     return bad
 
 
-def grad_mismatches(rank: int, got: dict, want: dict, names: Any, what: str) -> list[str]:
+def grad_mismatches(rank: int, got: dict, want: dict, names: Iterable[str], what: str) -> list[str]:
     """A line for each of ``names`` whose gradient in ``got`` (rank ``rank``'s) is missing or
     is not bitwise ``want``'s (``what`` names ``want``)."""
     bad = []
