@@ -60,6 +60,9 @@ CONFIGS = {
     "rl_engine_split": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_BACKEND_ATTENTION": "triton_split"},
     # TP > 1: the one-shot symmetric-memory exchange for small messages (opt-in until measured)
     "rl_engine_oneshot": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_TP_ONESHOT": "1"},
+    # TP 1 with the TP-invariant grouped reduction (the numerics of TP > 1): what making it the
+    # default would cost at TP 1 (issue 44, item 3: the switch needs <= 2% vs rl_engine)
+    "rl_engine_g8": {"RL_ENGINE_VLLM": "1", "RL_ENGINE_TP_GROUPS": "8"},
 }
 MODELS = {
     "qwen2_1b": family_config("qwen2", **QWEN2_1B, max_positions=4096),

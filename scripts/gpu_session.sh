@@ -21,6 +21,18 @@
 #                 Give it T_JOB=560: the vLLM job starts four engines (420 s was too short on
 #                 4 x H200, 2026-11-28).
 #
+# Two-GPU lease, one call each, in this order (the benchmarks alone on their GPUs):
+#   PHASE=ep2     installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant == TP 1 == the HF
+#                 trainer on GPUs 0-1 (CONTROL=1 adds the stock rollouts: two more engine starts).
+#   PHASE=moe_rollout  the Qwen3-MoE-shaped rollout, stock vs plugin, 3 alternating rounds, on
+#                 GPU 0 beside, on GPU 1, the TP 1 cost of the grouped numerics (rl_engine vs
+#                 rl_engine_g8, Llama-3-8B widths, 3 rounds) then the trainer MoE layer vs
+#                 Megatron's own MoE and transformers' block.
+#   PHASE=bench   (above) the TP 2 rollout.
+#   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
+#                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
+#                 on GPU 1.
+#
 # One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
 #   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),
 #                 then the CUDA C++ det_gemm tests + benchmark vs cuBLAS (carry build/csrc).
@@ -95,6 +107,33 @@ case ${PHASE:-checks} in
       TESTS='tests/adapters/test_vllm_compat.py tests/adapters/test_vllm_plugin.py \
       tests/adapters/test_vllm_moe.py tests/adapters/test_trainer_vs_vllm.py' bash scripts/gpu_check.sh"
     ;;
+  ep2)
+    install
+    make_moe_model || exit 2
+    job vllm_ep2 "$T" 0,1 $PY -m rl_engine.harness.vllm_tp_check --model $MOE_MODEL --tp 2 \
+      ${CONTROL:+--control} --variant ep2:enable_expert_parallel=True --json "$OUT/vllm_ep2.json"
+    ;;
+  moe_rollout)
+    install
+    job moe_rollout "$T" 0 $PY benchmarks/bench_rollout.py --model qwen3_moe --tp 1 \
+      --configs stock,rl_engine --sizes 64,256 --new-tokens 256 --repeats 2 --rounds 3 \
+      --out "$OUT/moe"
+    job g8_train "$T" 1 bash -c "$PY benchmarks/bench_rollout.py --model llama8b_width --tp 1 \
+      --configs rl_engine,rl_engine_g8 --sizes 256 --new-tokens 256 --repeats 2 --rounds 3 \
+      --out '$OUT/g8'; $PY benchmarks/bench_moe_train.py --out '$OUT/train'"
+    ;;
+  tests2)
+    install
+    files=$(ls tests/ops/test_*.py)
+    n=$(echo "$files" | wc -l)
+    half1=$(echo "$files" | head -n $((n / 2)))
+    half2=$(echo "$files" | tail -n $((n - n / 2)))
+    job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$(echo $half1) tests/invariance" \
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
+    job tests_b "$T" 1 env OUT="$OUT/b" \
+      TESTS="$(echo $half2) tests/adapters tests/audit/test_drift_monitor.py" \
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
+    ;;
   solo_a)
     install
     job sweep "${T_SWEEP:-170}" 0 $PY benchmarks/sweep_moe_experts.py --ts "${SWEEP_TS:-1,4,16}" \
@@ -120,9 +159,15 @@ case ${PHASE:-checks} in
     wait
     job trl "$((T - ${T_TESTS:-260}))" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
     ;;
-  *) echo "PHASE=checks, bench, extra, kernels, solo_a, solo_b or solo_c"; exit 2 ;;
+  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, tests2, solo_a, solo_b or solo_c"; exit 2 ;;
 esac
 wait
+# the device returns a limited number of files: the folders travel as one archive
+dirs=$(find "$OUT" -mindepth 1 -maxdepth 1 -type d -printf '%f\n')
+if [ -n "$dirs" ]; then
+  # shellcheck disable=SC2086
+  tar czf "$OUT/results.tgz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
+fi
 for n in "${names[@]}"; do
   echo "== $n"
   grep -v "^INFO\|^WARNING\|^(EngineCore\|^\[W\|UserWarning\|warnings.warn" "$OUT/$n.log" | tail -12
