@@ -14,7 +14,9 @@ the same weights and tokens for every row:
 * ``hf_liger``: the same + Liger's RMSNorm / SwiGLU / RoPE kernels, and the LM head through Liger's
   fused linear cross-entropy (``-sum CE`` = summed log-probs; no [tokens, vocab] logits);
 * ``rl_engine_hf``: ``rl_engine.adapters.hf.patch_model`` + ``token_logprobs``
-  (``rl_engine_hf_unfused``: the same with ``fuse_projections=False``);
+  (``rl_engine_hf_unfused``: the same with ``fuse_projections=False``; ``rl_engine_hf_g8``: the
+  same with ``RL_ENGINE_TP_GROUPS=8``, the TP-invariant grouped reduction of ``o_proj`` /
+  ``down_proj`` at TP 1 — what making it the default would cost a trainer, issue 44 item 3);
 * ``rl_engine_megatron`` / ``megatron_local``: ``bench_trainer.py``'s two Megatron GPT rows (the
   rl_engine spec and Megatron's local spec; same shape, no QKV bias, their own random weights),
   when megatron-core is importable.
@@ -48,6 +50,7 @@ ROWS = (
     "hf_sdpa",
     "rl_engine_hf",
     "rl_engine_hf_unfused",
+    "rl_engine_hf_g8",
     "hf_liger",
     "rl_engine_megatron",
     "megatron_local",
@@ -234,6 +237,16 @@ def main() -> None:
         measure("rl_engine_hf_unfused", model, rl_hf_logprobs)
         del model
         torch.cuda.empty_cache()
+    if "rl_engine_hf_g8" in rows:  # the grouped numerics of TP > 1, here at TP 1
+        from rl_engine import config
+        from rl_engine.adapters.hf import patch_model
+
+        with config.override_env({"RL_ENGINE_TP_GROUPS": "8"}):
+            model = fresh_hf()
+            patch_model(model)
+            measure("rl_engine_hf_g8", model, rl_hf_logprobs)
+            del model
+            torch.cuda.empty_cache()
     # Liger last: its patches replace transformers' classes / functions process-wide
     if "hf_liger" in rows:
         try:

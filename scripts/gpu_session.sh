@@ -29,6 +29,8 @@
 #                 rl_engine_g8, Llama-3-8B widths, 3 rounds) then the trainer MoE layer vs
 #                 Megatron's own MoE and transformers' block.
 #   PHASE=bench   (above) the TP 2 rollout.
+#   PHASE=trainer_g8  the HF trainer step with / without the grouped numerics at TP 1 on GPU 0,
+#                 the trainer MoE block (--quick) on GPU 1.
 #   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
 #                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
 #                 on GPU 1.
@@ -120,7 +122,16 @@ case ${PHASE:-checks} in
       --out "$OUT/moe"
     job g8_train "$T" 1 bash -c "$PY benchmarks/bench_rollout.py --model llama8b_width --tp 1 \
       --configs rl_engine,rl_engine_g8 --sizes 256 --new-tokens 256 --repeats 2 --rounds 3 \
-      --out '$OUT/g8'; $PY benchmarks/bench_moe_train.py --out '$OUT/train'"
+      --out '$OUT/g8'; $PY benchmarks/bench_moe_train.py --quick --out '$OUT/train'"
+    ;;
+  trainer_g8)
+    # the trainer side of issue 44 item 3 (the HF step with the grouped numerics at TP 1 vs
+    # without, and vs HF + SDPA / Liger) beside the trainer MoE block (T = 4096; its Megatron
+    # baseline runs SequentialMLP on an image without TE / grouped_gemm: slow)
+    install
+    job trainer_g8 "$T" 0 $PY benchmarks/bench_trainer_hf.py --no-megatron \
+      --rows hf_sdpa,rl_engine_hf,rl_engine_hf_g8,hf_liger --out "$OUT/trainer"
+    job moe_train "$T" 1 $PY benchmarks/bench_moe_train.py --quick --out "$OUT/train"
     ;;
   tests2)
     install
@@ -159,7 +170,7 @@ case ${PHASE:-checks} in
     wait
     job trl "$((T - ${T_TESTS:-260}))" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
     ;;
-  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, tests2, solo_a, solo_b or solo_c"; exit 2 ;;
+  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, trainer_g8, tests2, solo_a, solo_b or solo_c"; exit 2 ;;
 esac
 wait
 # the device returns a limited number of files: the folders travel as one archive
