@@ -7,7 +7,10 @@ Shapes: ``shapes.CSRC_GEMM_SHAPES`` (the Llama-3-8B projections as vLLM fuses th
 ``nn.Linear`` stores it (``b = w.t()``). Two timings of each (see ``common``): ``ratio`` from
 eager calls after an L2 flush, ``graph_ratio`` from CUDA-graph replay over cold operand copies;
 ratio = cuBLAS (``torch.mm``) time / our time, so 1.0 is as fast as cuBLAS, lower is slower.
-``--triton`` also times the Triton provider (its ratios vs cuBLAS, same method). Each case is
+``--triton`` also times the Triton provider (its ratios vs cuBLAS, same method). ``--configs``
+also times every tile configuration of ``config.CUDA_CONFIGS`` (``cfg_<name>_ratio`` and its
+``graph_`` pair per row, ``best_config`` / ``graph_best_config``: the data a launch table is
+picked from; every configuration gives the same bits, so the choice is speed only). Each case is
 first checked against cuBLAS (relative Frobenius error) and for row invariance (row 0 alone ==
 row 0 of the batch, bitwise). Writes ``DIR/det_gemm_cuda.json`` and prints a table.
 """
@@ -34,6 +37,14 @@ OP = "det_gemm_cuda"
 
 def _extra(p) -> None:
     p.add_argument("--triton", action="store_true", help="also time the Triton provider")
+    p.add_argument("--configs", action="store_true", help="also time every tile configuration")
+
+
+def _with_config(name: str):
+    def run(a, b):
+        return gemm_cuda.det_gemm_with_config(a, b, None, name)
+
+    return run
 
 
 def run(args) -> list[dict]:
@@ -43,6 +54,8 @@ def run(args) -> list[dict]:
         from rl_engine.ops.det_gemm import triton as gemm_triton
 
         more.append(("triton", gemm_triton.det_gemm))
+    if args.configs:
+        more += [(f"cfg_{name}", _with_config(name)) for name in gemm_config.CUDA_CONFIGS]
     rows = []
     ms = (1, 64, 256, 4096) if args.quick else M_VALUES
     for shape in CSRC_GEMM_SHAPES:
@@ -62,6 +75,10 @@ def run(args) -> list[dict]:
                 "row0_alone_bitwise": row0,
                 **vs_cublas(a, b, args.quick, ("cuda", ours), *more),
             }
+            if args.configs:
+                for key in ("", "graph_"):
+                    times = {c: row[f"{key}cfg_{c}_us"] for c in gemm_config.CUDA_CONFIGS}
+                    row[f"{key}best_config"] = min(times, key=times.get)
             rows.append(row)
             common.progress(
                 row,
@@ -97,6 +114,8 @@ def main() -> None:
     cols = ["shape", "m", "config", "cuda_us", "cublas_us", "ratio", "graph_ratio"]
     if args.triton:
         cols += ["triton_ratio", "graph_triton_ratio"]
+    if args.configs:
+        cols += [f"graph_cfg_{c}_ratio" for c in gemm_config.CUDA_CONFIGS] + ["graph_best_config"]
     common.print_table(rows, cols)
     common.finish(
         args.out,

@@ -4,7 +4,8 @@
 #
 # The library is built on the CPU machine (CUTLASS_DIR=... bash scripts/build_csrc.sh) and
 # carried: from the device tool, run `bash scripts/gpu_csrc.sh` with carry=["build/csrc"].
-#   BENCH_ARGS="--quick" / "--triton"   shorter benchmark / also time the Triton provider
+#   BENCH_ARGS="--quick" / "--triton" / "--configs"   shorter benchmark / also time the Triton
+#                                       provider / every tile configuration (the launch table)
 #   SKIP_TESTS=1 / SKIP_BENCH=1         one half only
 #   RL_ENGINE_CSRC_LIB=/path/lib.so     another library (default: build/csrc/ of this checkout)
 # The checkout goes first on PYTHONPATH (an installed copy, e.g. /tmp/site, stays after it).
