@@ -117,6 +117,15 @@ def test_tp4_etp4_equals_tp1(qwen3, base3, tmp_path):
     assert ep_check.compare(base3, four, qwen3) == []
 
 
+def test_ep4_equals_ep1(qwen3, base3, tmp_path):
+    """EP 4 without TP: four data-parallel ranks with their own sequences, two of the 8 experts
+    each; the combine never depends on where an expert ran."""
+    four = _run(qwen3, tmp_path, 1, 4, 1)
+    assert len({tuple(r["tokens"]) for r in four}) == 4 and four[0]["dp"] == 4
+    assert _expert_shapes(four[1])["decoder.layers.0.mlp.experts.linear_fc1.weight"][0] == 2
+    assert ep_check.compare(base3, four, qwen3) == []
+
+
 def test_control_plain_partial_sums_differ(qwen3, base3, tmp_path):
     """Without the grouped reduction (each rank's plain det_gemm of its I / 2 shard, the two
     partial sums added by an all-reduce) the log-probs and gradients differ from TP 1's."""
