@@ -417,3 +417,30 @@ def test_expert_parallel_slot_sum_gloo():
     from rl_engine.harness import moe_ep_check
 
     assert moe_ep_check.run(2, "cpu") == []
+
+
+def test_moe_forward_feeds_vllms_routing_capture(env):
+    """vLLM's routed-experts capture (``enable_return_routed_experts``, model runner V2; vLLM
+    binds a ``capture_fn`` on each MoE runner's router): the plugin's MoE forward, which never
+    calls vLLM's router, hands it the expert ids it routed by — the rollout's routing, returned
+    per token — and without a capture bound computes the same output."""
+    from rl_engine.adapters.vllm import moe
+    from rl_engine.ops.moe_router.reference import moe_topk
+
+    gen = torch.Generator().manual_seed(0)
+    runner = _fake_runner()
+    runner.routed_experts.w13_weight = torch.randn(8, 128, 128, generator=gen).bfloat16() * 0.1
+    runner.routed_experts.w2_weight = torch.randn(8, 128, 64, generator=gen).bfloat16() * 0.1
+    setattr(runner, moe.ATTR, {"scoring": "softmax", "renormalize": True, "top_k": 2,
+                               "expert_parallel": 1, "expert_tp": 1, "groups": None,
+                               "shared_tp": 1})  # fmt: skip
+    x = torch.randn(5, 128, generator=gen).bfloat16()
+    logits = torch.randn(5, 8, generator=gen).bfloat16()
+    forward = moe._make_runner_forward(None)
+    plain = forward(runner, x, logits)
+    got = []
+    runner.router.capture_fn = got.append
+    captured = forward(runner, x, logits)
+    assert len(got) == 1
+    assert torch.equal(got[0], moe_topk(logits.float(), 2, "softmax", True)[1].to(got[0].dtype))
+    assert torch.equal(captured, plain)

@@ -382,6 +382,9 @@ def _make_runner_forward(original):
         weights, ids = moe_topk(
             logits, info["top_k"], scoring=info["scoring"], renormalize=info["renormalize"]
         )
+        capture = getattr(self.router, "capture_fn", None)
+        if capture is not None:  # vLLM's routing capture (enable_return_routed_experts)
+            capture(ids)
         experts = self.routed_experts
         w13, w2, groups, etp = (
             experts.w13_weight,
