@@ -45,6 +45,12 @@ struct CfgMid {  // 64 x 128 tiles, two consumer warp groups alternate tiles
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
+struct CfgSquare {  // 128 x 128 tiles, two consumer warp groups share a tile: twice the CTAs of
+                    // CfgLarge where its grid leaves SMs idle (M 257-1024 over N 4096-6144)
+  using Tile = Shape<_128, _128, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
 struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode sizes
   using Tile = Shape<_64, _64, Int<kBlockK>>;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
@@ -166,7 +172,8 @@ using RowMajor = cutlass::layout::RowMajor;
 using ColMajor = cutlass::layout::ColumnMajor;
 
 // One product (operand layouts, output element) of element type `E` at the launch config `cfg`
-// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL is built for it (not for the fp32 weight gradient).
+// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE are built for it (not for the fp32 weight
+// gradient).
 template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
 int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
   switch (cfg) {
@@ -174,6 +181,9 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
     case RLE_CFG_MID: return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMid>>(p);
     case RLE_CFG_SMALL:
       if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmall>>(p);
+      break;
+    case RLE_CFG_SQUARE:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSquare>>(p);
       break;
   }
   set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);

@@ -26,6 +26,7 @@ extern "C" {
 #define RLE_CFG_LARGE 0  // 128 x 256 x 64, cooperative
 #define RLE_CFG_MID 1    // 64 x 128 x 64, ping-pong
 #define RLE_CFG_SMALL 2  // 64 x 64 x 64, ping-pong
+#define RLE_CFG_SQUARE 3  // 128 x 128 x 64, cooperative
 
 typedef struct {
   int64_t m, n, k;

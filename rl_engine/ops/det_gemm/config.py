@@ -238,7 +238,9 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
 # Its numerics are fixed in csrc/det_gemm/det_gemm_sm90.cuh (K in blocks of 64 walked in order into
 # one fp32 accumulator, no K chunks); its tile configurations are launch shape only (the GPU
 # tests prove them bitwise equal). Indices are the library's ``RLE_CFG_*``: name -> index.
-CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2}  # 128x256 coop., 64x128 / 64x64 ping-pong
+# 128x256 coop., 64x128 / 64x64 ping-pong, 128x128 coop. (square: built 2026-11-28, not yet
+# timed on a GPU, in no table row until `bench_det_gemm_cuda.py --configs` says where it wins)
+CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3}
 # (m_max, config name): the first row with M <= m_max wins. A first guess (not tuned on a GPU
 # yet): small tiles give decode sizes enough CTAs to stream the weight.
 _CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"), (1 << 62, "large"))
