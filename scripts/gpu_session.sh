@@ -23,7 +23,8 @@
 #
 # Two-GPU lease, one call each, in this order (the benchmarks alone on their GPUs):
 #   PHASE=ep2     installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant == TP 1 == the HF
-#                 trainer on GPUs 0-1 (CONTROL=1 adds the stock rollouts: two more engine starts).
+#                 trainer on GPUs 0-1 (CONTROL=1 adds the stock rollouts: two more engine starts;
+#                 ONESHOT=1 a TP 2 rollout over the one-shot exchange: one more, ~90 s).
 #   PHASE=moe_rollout  the Qwen3-MoE-shaped rollout, stock vs plugin, 3 alternating rounds, on
 #                 GPU 0 beside, on GPU 1, the TP 1 cost of the grouped numerics (rl_engine vs
 #                 rl_engine_g8, Llama-3-8B widths, 3 rounds) then the trainer MoE layer vs
@@ -113,7 +114,8 @@ case ${PHASE:-checks} in
     install
     make_moe_model || exit 2
     job vllm_ep2 "$T" 0,1 $PY -m rl_engine.harness.vllm_tp_check --model $MOE_MODEL --tp 2 \
-      ${CONTROL:+--control} --variant ep2:enable_expert_parallel=True --json "$OUT/vllm_ep2.json"
+      ${CONTROL:+--control} --variant ep2:enable_expert_parallel=True \
+      ${ONESHOT:+--variant oneshot:RL_ENGINE_TP_ONESHOT=1} --json "$OUT/vllm_ep2.json"
     ;;
   moe_rollout)
     install
