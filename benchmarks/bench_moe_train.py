@@ -275,6 +275,10 @@ def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
                 ),
             )  # fmt: skip
         )
+        # the rows so far, in case the call's time limit ends the run before the last T (the
+        # final JSON below replaces this one; `complete` says which of the two it is)
+        common.write_json(args.out, "moe_train", {"complete": False, "megatron_experts": impl,
+                                                   "rows": rows})  # fmt: skip
     common.print_table(
         rows, ["t", "rl_engine_ms", "hf_grouped_mm_ms", "hf_default_ms", "ratio_vs_best_hf",
                "rl_engine_megatron_ms", "megatron_ms", "ratio_megatron"],
@@ -293,6 +297,7 @@ def main(args: argparse.Namespace, limits: dict[str, float]) -> None:
         "(higher is better)",
         bw="n/a", shape=dict(QWEN3_30B_A3B_MOE), megatron_experts=impl,
         timing="common.bench (eager): forward + backward (input and weight gradients)",
+        complete=True,
     )  # fmt: skip
 
 
