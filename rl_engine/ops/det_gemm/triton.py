@@ -546,6 +546,12 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _pair_tree_start(zero):
+        """``(x, lv0, .., lv4)`` of an empty :func:`_pair_tree_push` tree: every level and the
+        climbing leaf ``zero`` (an fp32 tile of zeros of the leaves' shape)."""
+        return zero, zero, zero, zero, zero, zero
+
+    @triton.jit
     def _pair_tree_push(x, i: tl.constexpr, lv0, lv1, lv2, lv3, lv4):
         """Leaf ``i`` (``x``) of an adjacent-pair tree kept as a binary counter; returns ``(x,
         lv0, .., lv4)`` after it. ``lv<l>`` holds the finished left subtree of 2^l leaves
@@ -586,12 +592,7 @@ if triton is not None:
         """fp32 [BM, BN] tile (rows ``ram``, columns ``rbn``) of the adjacent-pair tree of the
         ``GROUPS`` group products (each as :func:`_tp_group_product`), in group order through
         :func:`_pair_tree_push` (static: GROUPS is a constexpr). At most 32 groups."""
-        lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        lv1 = lv0
-        lv2 = lv0
-        lv3 = lv0
-        lv4 = lv0
-        x = lv0
+        x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_start(tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
         for g in tl.static_range(GROUPS):
             x = _tp_group_product(
                 a_ptr, b_ptr, ram, rbn, rk, g, GL, HALF,
