@@ -64,8 +64,8 @@ _BLOCK = 1024  # elements per program step
 
 
 if triton is not None:
-    # the tree's adds exactly as det_gemm's TP subtree kernel makes them: its own function
-    from rl_engine.ops.det_gemm.triton import _pair_tree_push
+    # the tree's adds exactly as det_gemm's TP subtree kernel makes them: its own functions
+    from rl_engine.ops.det_gemm.triton import _pair_tree_push, _pair_tree_start
 
     @triton.jit
     def _oneshot_barrier(ptrs_ptr, me, rank, slot, epoch, WORLD: tl.constexpr):
@@ -117,12 +117,7 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
             src = first + offs.to(tl.int64)
-            lv0 = tl.zeros((BLOCK,), dtype=tl.float32)
-            lv1 = lv0
-            lv2 = lv0
-            lv3 = lv0
-            lv4 = lv0
-            x = lv0
+            x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_start(tl.zeros((BLOCK,), tl.float32))
             for j in tl.static_range(WORLD):
                 base = tl.load(ptrs_ptr + j).to(tl.pointer_type(tl.float32))
                 x = tl.load(base + DATA + src, mask=mask, other=0.0, cache_modifier=".cv")

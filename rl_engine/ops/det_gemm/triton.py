@@ -87,6 +87,25 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
+    def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, INT64: tl.constexpr):  # fmt: skip
+        """``(rm, rn, rk)`` of this program's output tile (program_id(0) in the
+        :func:`_grouped_tile` order): its rows and columns (past M / N at the edges: mask or
+        wrap them) and the K offsets of one step; int64 when ``INT64``."""
+        pid_m, pid_n = _grouped_tile(
+            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+        )
+        if INT64:
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        if INT64:
+            rk = rk.to(tl.int64)
+        return rm, rn, rk
+
+    @triton.jit
     def _dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """``acc`` + ``a @ b``: the operands in fp32 first when ``UPCAST``, IEEE fp32 products
         when ``IEEE`` (else the dot's default precision)."""
@@ -184,17 +203,7 @@ if triton is not None:
         # K in chunks of KC_TILES * BLOCK_K: each chunk sequentially into a fresh fp32 partial,
         # partials added in chunk order. SPLIT: this program does chunk program_id(1) only and
         # writes its partial to ws[chunk] (the combine kernel adds them in order).
-        pid_m, pid_n = _grouped_tile(
-            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
-        )
-        if INT64:
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        if INT64:
-            rk = rk.to(tl.int64)
+        rm, rn, rk = _program_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INT64)
         k_tiles = tl.cdiv(K, BLOCK_K)
         if SPLIT:
             chunk = tl.program_id(1)
@@ -546,6 +555,12 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _pair_tree_start(zero):
+        """``(x, lv0, .., lv4)`` of an empty :func:`_pair_tree_push` tree: every level and the
+        climbing leaf ``zero`` (an fp32 tile of zeros of the leaves' shape)."""
+        return zero, zero, zero, zero, zero, zero
+
+    @triton.jit
     def _pair_tree_push(x, i: tl.constexpr, lv0, lv1, lv2, lv3, lv4):
         """Leaf ``i`` (``x``) of an adjacent-pair tree kept as a binary counter; returns ``(x,
         lv0, .., lv4)`` after it. ``lv<l>`` holds the finished left subtree of 2^l leaves
@@ -586,12 +601,7 @@ if triton is not None:
         """fp32 [BM, BN] tile (rows ``ram``, columns ``rbn``) of the adjacent-pair tree of the
         ``GROUPS`` group products (each as :func:`_tp_group_product`), in group order through
         :func:`_pair_tree_push` (static: GROUPS is a constexpr). At most 32 groups."""
-        lv0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        lv1 = lv0
-        lv2 = lv0
-        lv3 = lv0
-        lv4 = lv0
-        x = lv0
+        x, lv0, lv1, lv2, lv3, lv4 = _pair_tree_start(tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
         for g in tl.static_range(GROUPS):
             x = _tp_group_product(
                 a_ptr, b_ptr, ram, rbn, rk, g, GL, HALF,
@@ -629,17 +639,7 @@ if triton is not None:
     ):
         # One program per output tile: the GROUPS group products of the tile and their
         # adjacent-pair tree (_tp_subtree_tile), in registers, written once in fp32.
-        pid_m, pid_n = _grouped_tile(
-            tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
-        )
-        if INT64:
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        if INT64:
-            rk = rk.to(tl.int64)
+        rm, rn, rk = _program_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INT64)
         x = _tp_subtree_tile(
             a_ptr, b_ptr, rm % M, rn % N, rk, GL, HALF, stride_am, stride_ak, stride_bk,
             stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUPS, CHUNK, GLU, UPCAST, IEEE,

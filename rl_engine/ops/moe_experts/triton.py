@@ -773,7 +773,6 @@ def _gather_rows(g: torch.Tensor, slots: torch.Tensor, s: int) -> torch.Tensor:
 
 
 PROVIDER = _triton.triton_provider(
-    op="moe_experts",
     numerics=f"moe_experts/triton-kc{K_CHUNK}",
     fn=moe_experts,
     version="1",

@@ -509,7 +509,6 @@ def poly_norm_backward(
 
 
 PROVIDER = _triton.triton_provider(
-    op="poly_norm",
     numerics=f"poly_norm/triton-b{LANES}",
     fn=poly_norm,
     version="3",

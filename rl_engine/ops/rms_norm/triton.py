@@ -735,7 +735,6 @@ def rms_norm_backward(
 
 
 PROVIDER = _triton.triton_provider(
-    op="rms_norm",
     numerics="rms_norm/triton",
     fn=rms_norm,
     # 2: weight-gradient groups = the dX tile (H <= 2048 changed); forward and dX bits as in 1

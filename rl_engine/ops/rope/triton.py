@@ -341,7 +341,6 @@ def rope_qk_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 PROVIDER = _triton.triton_provider(
-    op="rope",
     numerics="rope/native-f64table",
     fn=rope,
     version="1",

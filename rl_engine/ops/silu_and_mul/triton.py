@@ -208,7 +208,6 @@ def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 PROVIDER = _triton.triton_provider(
-    op="silu_and_mul",
     numerics="silu_and_mul/triton-f32",
     fn=silu_and_mul,
     version="1",
