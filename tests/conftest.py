@@ -219,10 +219,28 @@ def vllm_env_fixture(values: dict[str, str]):
 
     @pytest.fixture(scope="module")
     def env():
+        reset_vllm_parallel_state()
         with pytest.MonkeyPatch.context() as mp:
             for k, v in values.items():
                 mp.setenv(k, v)
             mp.delenv("RL_ENGINE_VLLM", raising=False)
             yield mp
+        reset_vllm_parallel_state()
 
     return env
+
+
+def reset_vllm_parallel_state() -> None:
+    """Drop the process-wide parallel groups an in-process vLLM engine leaves behind. vLLM builds
+    them once per process and later engines reuse them, so an MoE engine built after a dense one
+    in the same worker finds no expert-parallel group (vLLM makes it for MoE models only) and
+    fails at load. Every module that builds engines starts and ends with a clean state."""
+    import sys
+
+    if "vllm" not in sys.modules:
+        return
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
