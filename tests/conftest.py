@@ -109,6 +109,14 @@ def _deterministic_session():
     yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_vllm_groups_across_modules():
+    """No test module inherits the parallel groups of another module's in-process vLLM engine."""
+    reset_vllm_parallel_state()
+    yield
+    reset_vllm_parallel_state()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_registry():
     """Each test starts with no resolutions and the environment's configuration."""
@@ -219,13 +227,11 @@ def vllm_env_fixture(values: dict[str, str]):
 
     @pytest.fixture(scope="module")
     def env():
-        reset_vllm_parallel_state()
         with pytest.MonkeyPatch.context() as mp:
             for k, v in values.items():
                 mp.setenv(k, v)
             mp.delenv("RL_ENGINE_VLLM", raising=False)
             yield mp
-        reset_vllm_parallel_state()
 
     return env
 
@@ -234,13 +240,14 @@ def reset_vllm_parallel_state() -> None:
     """Drop the process-wide parallel groups an in-process vLLM engine leaves behind. vLLM builds
     them once per process and later engines reuse them, so an MoE engine built after a dense one
     in the same worker finds no expert-parallel group (vLLM makes it for MoE models only) and
-    fails at load. Every module that builds engines starts and ends with a clean state."""
+    fails at load. Run after every test module (:func:`_no_vllm_groups_across_modules`)."""
     import sys
 
-    if "vllm" not in sys.modules:
+    if "vllm.distributed.parallel_state" not in sys.modules:
         return
     from vllm.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    if ps._WORLD is not None:  # the process group vLLM made for its world of one
+        ps.destroy_distributed_environment()
