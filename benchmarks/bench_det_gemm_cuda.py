@@ -9,10 +9,11 @@ eager calls after an L2 flush, ``graph_ratio`` from CUDA-graph replay over cold 
 ratio = cuBLAS (``torch.mm``) time / our time, so 1.0 is as fast as cuBLAS, lower is slower.
 ``--triton`` also times the Triton provider (its ratios vs cuBLAS, same method). ``--configs``
 also times every tile configuration of ``config.CUDA_CONFIGS`` (``cfg_<name>_ratio`` and its
-``graph_`` pair per row, ``best_config`` / ``graph_best_config``: the data a launch table is
-picked from; every configuration gives the same bits, so the choice is speed only). Each case is
-first checked against cuBLAS (relative Frobenius error) and for row invariance (row 0 alone ==
-row 0 of the batch, bitwise). Writes ``DIR/det_gemm_cuda.json`` and prints a table.
+``graph_`` pair per row, ``best_config`` / ``graph_best_config``: the data the launch choice is
+fitted from, by ``fit_cuda_configs.py``; every configuration gives the same bits, so the choice
+is speed only). Each case is first checked against cuBLAS (relative Frobenius error) and for row
+invariance (row 0 alone == row 0 of the batch, bitwise). Writes ``DIR/det_gemm_cuda.json`` and
+prints a table.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run(args) -> list[dict]:
                 "m": m,
                 "k": shape.k,
                 "n": shape.n,
-                "config": gemm_config.get_cuda_config(m, shape.n, shape.k),
+                "config": gemm_config.get_cuda_config(m, shape.n, shape.k, gemm_cuda._sm_count(a)),
                 "rel_err_vs_cublas": rel,
                 "row0_alone_bitwise": row0,
                 **vs_cublas(a, b, args.quick, ("cuda", ours), *more),

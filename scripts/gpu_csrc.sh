@@ -5,7 +5,8 @@
 # The library is built on the CPU machine (CUTLASS_DIR=... bash scripts/build_csrc.sh) and
 # carried: from the device tool, run `bash scripts/gpu_csrc.sh` with carry=["build/csrc"].
 #   BENCH_ARGS="--quick" / "--triton" / "--configs"   shorter benchmark / also time the Triton
-#                                       provider / every tile configuration (the launch table)
+#                                       provider / every tile configuration (then the choice
+#                                       fitted from them: fit.log, cuda_config_fit.json)
 #   SKIP_TESTS=1 / SKIP_BENCH=1         one half only
 #   RL_ENGINE_CSRC_LIB=/path/lib.so     another library (default: build/csrc/ of this checkout)
 # The checkout goes first on PYTHONPATH (an installed copy, e.g. /tmp/site, stays after it).
@@ -83,12 +84,18 @@ if [ "${SKIP_BENCH:-0}" = "0" ] && [ "$smoke" = 0 ]; then
   run_group "${BENCH_TIMEOUT:-330}" "$OUT/bench.log" $PY benchmarks/bench_det_gemm_cuda.py \
     --out "$OUT" ${BENCH_ARGS:-}
   bench=$?
+  # with the per-config times: the tile choice fitted from them (reads times only)
+  case " ${BENCH_ARGS:-} " in
+    *" --configs "*) [ "$bench" = 0 ] && $PY benchmarks/fit_cuda_configs.py "$OUT/det_gemm_cuda.json" \
+      --out "$OUT" > "$OUT/fit.log" 2>&1 ;;
+  esac
 fi
 
 {
   echo "smoke exit $smoke, pytest exit $tests, bench exit $bench"
   tail -n 3 "$OUT/pytest.log" 2>/dev/null
   grep "summary:" "$OUT/bench.log" 2>/dev/null
+  head -n 7 "$OUT/fit.log" 2>/dev/null
 } | tee "$OUT/summary.txt"
 [ "$smoke" = 0 ] && { [ "$tests" = 0 ] || [ "$tests" = skipped ]; } \
   && { [ "$bench" = 0 ] || [ "$bench" = skipped ]; }

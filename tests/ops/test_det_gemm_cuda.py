@@ -133,6 +133,31 @@ def test_cuda_config_table():
     for m in (1, 64, 65, 256, 257, 8192):
         assert gemm_config.get_cuda_config(m, 4096, 4096) in gemm_config.CUDA_CONFIGS
     assert gemm_config.CUDA_WGRAD_CONFIG in gemm_config.CUDA_CONFIGS
+    assert set(gemm_config.CUDA_TILES) == set(gemm_config.CUDA_CONFIGS)
+
+
+def test_cuda_config_wave_model():
+    """Up to 256 rows by M; above, `square` where `large` tiles leave SMs idle in their last
+    wave, `large` where its grid fills the waves."""
+    get = gemm_config.get_cuda_config
+    assert [get(m, 4096, 4096) for m in (1, 64, 65, 256)] == ["small", "small", "mid", "mid"]
+    # M 512 over N 4096: 64 large tiles on 132 SMs (half the machine idle) vs 128 square tiles
+    assert get(512, 4096, 4096, 132) == "square"
+    assert get(512, 4096, 14336, 132) == "square"  # K does not enter
+    # M 1024 over N 4096: 128 large tiles, one wave: large
+    assert get(1024, 4096, 4096, 132) == "large"
+    # N 6144: 192 large tiles (2 waves, the second 45% full) vs 384 square tiles (3 waves)
+    assert get(1024, 6144, 4096, 132) == "square"
+    assert get(8192, 4096, 4096, 132) == "large"
+    # the SM count is the device's: on twice the SMs, 256 square tiles are one wave too
+    assert get(1024, 4096, 4096, 264) == "square"
+    # the efficiency prior decides the close cases; 1.0: smaller tiles at no cost
+    assert get(1024, 4096, 4096, 132, square_efficiency=1.0) == "large"  # 1 wave vs 2 x half
+    assert get(512, 6144, 4096, 132, square_efficiency=0.85) == "large"
+    assert get(512, 6144, 4096, 132, square_efficiency=1.2) == "square"
+    cost = gemm_config.cuda_wave_cost
+    assert cost("large", 512, 4096, 132, 0.85) == cost("large", 1024, 4096, 132, 0.85) == 1.0
+    assert cost("square", 512, 4096, 132, 0.5) == 1.0
 
 
 def test_build_script_present():
@@ -173,6 +198,7 @@ def captured_launches(monkeypatch):
     monkeypatch.setattr(gemm_cuda, "_run16", fake_run16)
     monkeypatch.setattr(gemm_cuda, "_check_cuda", lambda *t: None)
     monkeypatch.setattr(gemm_cuda, "_device_guard", lambda t: gemm_cuda._NO_GUARD)
+    monkeypatch.setattr(gemm_cuda, "_sm_count", lambda t: gemm_config.DEFAULT_SM_COUNT)
     return calls
 
 

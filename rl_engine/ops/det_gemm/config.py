@@ -37,6 +37,8 @@ __all__ = [
     "WgradConfig",
     "all_configs",
     "CUDA_CONFIGS",
+    "CUDA_TILES",
+    "cuda_wave_cost",
     "get_cuda_config",
     "all_tp_subtree_configs",
     "get_config",
@@ -238,18 +240,60 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
 # Its numerics are fixed in csrc/det_gemm/det_gemm_sm90.cuh (K in blocks of 64 walked in order into
 # one fp32 accumulator, no K chunks); its tile configurations are launch shape only (the GPU
 # tests prove them bitwise equal). Indices are the library's ``RLE_CFG_*``: name -> index.
-# 128x256 coop., 64x128 / 64x64 ping-pong, 128x128 coop. (square: built 2026-11-28, not yet
-# timed on a GPU, in no table row until `bench_det_gemm_cuda.py --configs` says where it wins)
 CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3}
-# (m_max, config name): the first row with M <= m_max wins. A first guess (not tuned on a GPU
-# yet): small tiles give decode sizes enough CTAs to stream the weight.
-_CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"), (1 << 62, "large"))
+# Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 ping-pong, 128x128
+# cooperative (two consumer warp groups on one tile).
+CUDA_TILES = {"large": (128, 256), "mid": (64, 128), "small": (64, 64), "square": (128, 128)}
+# (m_max, config name) for decode and short prefill: the first row with M <= m_max wins (small
+# tiles give few rows enough CTAs to stream the weight). Above the last row: the wave model.
+_CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"))
+# Output elements a `square` tile computes per unit time relative to a `large` one (a smaller
+# tile reloads more operand bytes per FLOP). A prior of the wave model, to be fitted from the
+# per-config times of `bench_det_gemm_cuda.py --configs` (`benchmarks/fit_cuda_configs.py`).
+CUDA_SQUARE_EFFICIENCY = 0.85
+# H100 / H200 SXM; the provider passes the device's own count.
+DEFAULT_SM_COUNT = 132
 CUDA_WGRAD_CONFIG = "large"
 
 
-def get_cuda_config(m: int, n: int, k: int) -> str:
-    """The ``cuda`` provider's tile configuration for an [m, k] x [k, n] product (numerics-free)."""
+def cuda_wave_cost(cfg: str, m: int, n: int, sms: int, square_efficiency: float) -> float:
+    """The wave model's time of ``cfg`` on an [m, n] output, in units of one ``large`` tile's
+    time: the persistent grid runs ``ceil(tiles / sms)`` waves of one tile per SM, each tile
+    costing its area (over its relative efficiency). A grid that leaves SMs idle in its last wave
+    pays for the whole wave: 64 ``large`` tiles (M 512 over N 4096) on 132 SMs take as long as
+    132."""
+    bm, bn = CUDA_TILES[cfg]
+    tiles = -(-m // bm) * -(-n // bn)
+    waves = -(-tiles // sms)
+    eff = square_efficiency if cfg == "square" else 1.0
+    return waves * (bm * bn) / (128 * 256) / eff
+
+
+def get_cuda_config(
+    m: int,
+    n: int,
+    k: int,
+    sms: int = DEFAULT_SM_COUNT,
+    square_efficiency: float = CUDA_SQUARE_EFFICIENCY,
+) -> str:
+    """The ``cuda`` provider's tile configuration for an [m, k] x [k, n] product (numerics-free:
+    every configuration gives the same bits).
+
+    Args:
+        m: Rows of the product (tokens).
+        n: Output columns.
+        k: The reduction length (no influence today: every configuration walks K alike).
+        sms: The device's streaming multiprocessors (the grid is persistent: one CTA per SM).
+        square_efficiency: The wave model's ``square`` tile efficiency
+            (:data:`CUDA_SQUARE_EFFICIENCY`; the fitting script passes others).
+
+    Returns:
+        A name of :data:`CUDA_CONFIGS`: by M up to 256 rows (:data:`_CUDA_TABLE`), above that
+        ``large`` or ``square``, whichever the wave model (:func:`cuda_wave_cost`) says is
+        faster, ``large`` on a tie.
+    """
     for m_max, name in _CUDA_TABLE:
         if m <= m_max:
             return name
-    return _CUDA_TABLE[-1][1]
+    costs = {c: cuda_wave_cost(c, m, n, sms, square_efficiency) for c in ("large", "square")}
+    return "square" if costs["square"] < costs["large"] else "large"

@@ -192,6 +192,16 @@ def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 _NO_GUARD = contextlib.nullcontext()
+_SMS: dict[int, int] = {}  # device index -> streaming multiprocessors
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    """The SM count of ``t``'s device (the tile choice's wave model), looked up once."""
+    idx = t.get_device()
+    sms = _SMS.get(idx)
+    if sms is None:
+        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return sms
 
 
 def _device_guard(t: torch.Tensor) -> Any:
@@ -275,7 +285,7 @@ def det_gemm_with_config(
         return _fp32(a, b, bias)
     if a.dtype not in _DTYPES:
         raise TypeError(f"det_gemm[cuda]: dtype {a.dtype} is not supported")
-    cfg = cfg or get_cuda_config(m, n, k)
+    cfg = cfg or get_cuda_config(m, n, k, _sm_count(a))
     if cfg not in CUDA_CONFIGS:
         raise ValueError(f"det_gemm[cuda]: config {cfg!r}; expected one of {list(CUDA_CONFIGS)}")
     kp = _round_up(k, _ALIGN)
