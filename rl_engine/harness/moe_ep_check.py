@@ -2,17 +2,25 @@
 GPUs): every rank of an EP group of size ``ep`` computes ``moe_experts`` for its experts only
 (``expert_map``; the other slots are ``+0`` rows), the [T, k, H] slots are summed over the group
 (:func:`rl_engine.adapters.vllm.moe.ep_slot_sum`, the vLLM plugin's EP path) and combined
-locally with ``moe_combine``; the result must equal EP 1 bitwise on every rank.
+locally with ``moe_combine``; the result must equal EP 1 bitwise on every rank::
+
+    python -m rl_engine.harness.moe_ep_check --ep 2,4 [--device cuda]
+
+exits 1 unless every degree equals EP 1 bitwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tempfile
 
 import torch
 
 from rl_engine.harness import _spawn
+
+EXPERTS = 8  # experts of :func:`case`; an EP degree must divide it
 
 
 def case(device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -20,7 +28,7 @@ def case(device: str = "cpu") -> tuple[torch.Tensor, ...]:
     from rl_engine.ops import moe_topk
 
     g = torch.Generator().manual_seed(0)
-    t, h, i, n = 37, 64, 32, 8
+    t, h, i, n = 37, 64, 32, EXPERTS
     x = torch.randn(t, h, generator=g).bfloat16()
     logits = torch.randn(t, n, generator=g).bfloat16()
     w13 = (0.1 * torch.randn(n, 2 * i, h, generator=g)).bfloat16()
@@ -67,6 +75,8 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 def run(ep: int, device: str = "cpu") -> list[str]:
     """Run EP ``ep`` (a divisor of 8) in ``ep`` processes; returns the ranks that differ from
     EP 1 (empty: all bitwise equal)."""
+    if ep < 1 or EXPERTS % ep:
+        raise ValueError(f"ep={ep}: the EP degree must divide the case's {EXPERTS} experts")
     bad = []
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn.spawn(_worker, ep, (out_dir,), device)
@@ -75,3 +85,30 @@ def run(ep: int, device: str = "cpu") -> list[str]:
             if not torch.equal(got, ref):
                 bad.append(f"EP {ep} rank {r}: max |d| {(got.float() - ref.float()).abs().max()}")
     return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run :func:`run` for each degree of ``--ep``; 0 when all equal EP 1 bitwise, else 1."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", default="2", help="EP degrees, comma separated (divisors of 8)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (a GPU per rank) or auto")
+    args = p.parse_args(argv)
+    try:
+        degrees = [int(x) for x in args.ep.split(",")]
+    except ValueError:
+        p.error(f"--ep {args.ep!r}: expected comma separated integers")
+    for ep in degrees:
+        if ep < 1 or EXPERTS % ep:
+            p.error(f"--ep {ep}: the EP degree must divide the case's {EXPERTS} experts")
+    status = 0
+    for ep in degrees:
+        bad = run(ep, args.device)
+        print(f"EP {ep} vs EP 1: {'bitwise equal' if not bad else 'MISMATCH'}")
+        for line in bad:
+            print("  " + line)
+        status |= bool(bad)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
