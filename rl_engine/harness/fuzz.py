@@ -1,4 +1,4 @@
-"""Invariance fuzzing: seeded random cases per op, checked against DESIGN section 1's properties.
+"""Invariance fuzzing: seeded random cases per op, checked against the invariance contracts.
 
 A user's batch is never the shape of a test. This draws cases the hand-written tests do not
 pick (row counts that are primes, powers of two +- 1; sizes that are not multiples of any
