@@ -233,7 +233,7 @@ def _info() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].rstrip(":"))
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--skip", default="", help="comma list of parts to skip: subtree,oneshot,layer")
