@@ -36,30 +36,55 @@ def add_parser(sub: Any) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _cli_common.add_model_argument(p, "the embedded tiny random Llama, fixed seed")
-    p.add_argument("--trainer", choices=TRAINERS, default="hf")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="hf",
+        help="the trainer side: the Hugging Face model or Megatron-core (default: hf)",
+    )
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps (default: 6)")
     p.add_argument(
         "--device", default=None, help="trainer device: cpu or cuda (default: cuda if available)"
     )
-    p.add_argument("--out", default="grpo_out", help="folder for grpo.json and grpo.png")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (a GRPO group)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens sampled per completion")
-    p.add_argument("--micro-batch", type=int, default=64, help="sequences per trainer pass")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", default="grpo_out", help="folder for grpo.json and grpo.png (default: grpo_out)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="weights and activations of both sides (default: bfloat16)",
+    )
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per step (default: 8)")
+    p.add_argument(
+        "--group-size", type=int, default=8, help="samples per prompt, a GRPO group (default: 8)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=8, help="tokens sampled per completion (default: 8)"
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=64, help="sequences per trainer pass (default: 64)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)"
+    )
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 0.01)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts, the sampling and the embedded model (default: 0)",
+    )
     p.add_argument(
         "--reward",
         default="band",
         help="'band' (fraction of tokens in the low 1/8 of the vocabulary) or "
-        "'package.module:function' taking (prompt_ids, completion_ids) -> float",
+        "'package.module:function' taking (prompt_ids, completion_ids) -> float (default: band)",
     )
     p.add_argument(
         "--configurations",
         default="rl_engine,stock",
-        help="comma separated, run in this order: rl_engine, stock",
+        help="comma separated, run in this order: rl_engine, stock (default: rl_engine,stock)",
     )
     p.add_argument(
         "--gate",
