@@ -51,14 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p_check = sub.add_parser("check", help="show the registry's resolution and self-test every op")
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p_check.set_defaults(func=_check)
-    try:
-        from rl_engine.audit.cli import add_parser as add_audit
-    except ImportError:
-        add_audit = None
-    if add_audit is not None:
-        add_audit(sub)
+    from rl_engine.audit.cli import add_parser as add_audit
     from rl_engine.grpo.cli import add_parser as add_grpo
 
+    add_audit(sub)
     add_grpo(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

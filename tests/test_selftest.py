@@ -1,7 +1,10 @@
 """``rl-engine check``: every registered op has a self-test in :mod:`rl_engine.selftest`, the
-check passes on the CPU, and a failing or missing self-test fails it."""
+check passes on the CPU, and a failing or missing self-test fails it; the command line does not
+hide a subcommand that cannot be imported."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -38,3 +41,11 @@ def test_check_fails_on_a_broken_self_test(broken, monkeypatch, capsys):
     assert cli.main(["check", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert expect in out and "1 op(s) failed" in out
+
+
+def test_an_import_error_of_a_subcommand_is_not_hidden(monkeypatch):
+    """A subcommand whose module cannot be imported raises that error: it does not vanish from
+    the command line (which would answer ``invalid choice: 'audit'`` and hide the cause)."""
+    monkeypatch.setitem(sys.modules, "rl_engine.audit.cli", None)
+    with pytest.raises(ImportError, match="rl_engine.audit.cli"):
+        cli.main(["audit", "--help"])
