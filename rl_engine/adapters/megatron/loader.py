@@ -67,6 +67,13 @@ def moe_routing(cfg: dict[str, Any]) -> dict[str, Any]:
     return _moe_spec(cfg).topk_kwargs
 
 
+def _stock_pre_softmax(spec: Any) -> bool:
+    """Whether megatron's ``TopKRouter`` computes the family's routing with
+    ``moe_router_pre_softmax`` (softmax over all experts, top-k, not renormalised) rather than
+    its default (top-k of the logits, softmax over the k: Mixtral, renormalised Qwen)."""
+    return spec.scoring == "softmax" and not spec.renormalize
+
+
 def _read_config(path: str) -> dict[str, Any]:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
@@ -145,8 +152,10 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
             moe_shared_expert_gate=bool(shared),
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # the stock router's nearest equivalent (rl_engine's layer takes moe_routing)
-            moe_router_pre_softmax=spec.scoring == "softmax" and not spec.renormalize,
+            # the stock router's nearest equivalent (rl_engine's layer takes moe_routing);
+            # megatron-core requires pre-softmax at top-1 (stock_from_pretrained refuses a
+            # top-1 rule it would change), RLMoELayer does not read it
+            moe_router_pre_softmax=_stock_pre_softmax(spec) or spec.top_k == 1,
         )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -659,6 +668,14 @@ def stock_from_pretrained(
         raise UnsupportedNumericsError(
             "stock_from_pretrained: a mix of dense and MoE layers (the stock local spec has one "
             "MLP kind for every layer)"
+        )
+    spec = _moe_spec(cfg) if any(sparse) else None
+    if spec is not None and spec.top_k == 1 and not _stock_pre_softmax(spec):
+        raise UnsupportedNumericsError(
+            f"stock_from_pretrained: {cfg['model_type']} num_experts_per_tok=1 (the expert's "
+            "weight is 1: top-k then softmax over the k, or a renormalised softmax): "
+            "megatron-core's TopKRouter requires moe_router_pre_softmax at top-1, which "
+            "weights the expert by its softmax probability instead"
         )
     model = GPTModel(
         mcfg,
