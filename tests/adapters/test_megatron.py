@@ -431,3 +431,16 @@ def test_unsupported_config_refused(tmp_path):
     path = make_tiny_model(tmp_path / "m", "llama", hidden_act="gelu")
     with pytest.raises(ma.UnsupportedNumericsError, match="hidden_act"):
         ma.from_pretrained(path)
+
+
+def test_checkpoint_tensor_without_a_place_refused(tmp_path):
+    """A checkpoint tensor the Megatron model has no place for is refused, named, never
+    dropped: Qwen3 with ``attention_bias=True`` has an ``o_proj`` bias (transformers adds it to
+    the attention output), which the GPT model built without linear biases would ignore."""
+    from rl_engine.adapters import megatron as ma
+
+    path = make_tiny_model(tmp_path / "m", "qwen3", attention_bias=True)
+    with pytest.raises(ma.UnsupportedNumericsError, match=r"layers\.0\.self_attn\.o_proj\.bias"):
+        ma.from_pretrained(path)
+    with pytest.raises(ma.UnsupportedNumericsError, match="attention_bias"):
+        ma.stock_from_pretrained(path)

@@ -197,6 +197,7 @@ def hf_to_megatron_state(
         return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest).contiguous()
 
     sparse = moe_layers(cfg)
+    hf = _ReadTracker(hf)
     out["embedding.word_embeddings.weight"] = hf[pre + "embed_tokens.weight"]
     out["decoder.final_layernorm.weight"] = hf[pre + "norm.weight"]
     if not tied:
@@ -225,7 +226,48 @@ def hf_to_megatron_state(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0
         )
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    _refuse_unread(hf, cfg, tied)
     return out
+
+
+class _ReadTracker(dict):
+    """A state dict that records which keys were read (``[]``)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _refuse_unread(hf: _ReadTracker, cfg: dict[str, Any], tied: bool) -> None:
+    """Refuse checkpoint tensors the mapping did not read: the GPT model would run without them
+    (e.g. Qwen3's ``o_proj`` bias under ``attention_bias=True``, which megatron's attention
+    output projection, built without linear biases, has no place for). Not refused: RoPE
+    ``inv_freq`` buffers (rl_engine's rope builds its own tables), a tied model's saved
+    ``lm_head.weight`` and empty tensors (a zero-width shared expert)."""
+    left = sorted(
+        k
+        for k, v in dict.items(hf)
+        if k not in hf.read
+        and not k.endswith("rotary_emb.inv_freq")
+        and not (tied and k == "lm_head.weight")
+        and v.numel() > 0
+    )
+    if left:
+        hint = ""
+        if any(k.endswith("o_proj.bias") for k in left):
+            hint = (
+                f" ({cfg.get('model_type')} attention_bias="
+                f"{cfg.get('attention_bias')}: a bias on the attention output projection)"
+            )
+        raise UnsupportedNumericsError(
+            f"from_pretrained: {len(left)} checkpoint tensor(s) the Megatron model has no place "
+            f"for{hint}; running without them computes another model: {left[:6]}"
+            + (" ..." if len(left) > 6 else "")
+        )
 
 
 # per-expert Hugging Face names (the layout checkpoints are saved in): (gate, up, down)
