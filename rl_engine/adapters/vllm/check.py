@@ -126,7 +126,15 @@ def _classify(
             return "unroutable", f"head_dtype {head_dtype} != model dtype"
         return "routed", None
     if cls.__name__ in _NOT_STRUCTURAL:
-        return "unroutable", f"{cls.__name__} outside a routed MoE layer (its forward computes)"
+        # Without an expert gate the forward is gate_up_proj -> act_fn -> down_proj (routed
+        # layers only): the dense layers of an MoE model (mlp_only_layers, decoder_sparse_step).
+        # A class without the attribute (another vLLM version) stays refused.
+        if getattr(module, "expert_gate", True) is not None:
+            return "unroutable", (
+                f"{cls.__name__} with a sigmoid expert gate outside a routed MoE layer (its "
+                "forward computes sigmoid(gate) * out)"
+            )
+        return "structural", None
     if cls.__module__ in _STRUCTURAL_MODULES or cls in (torch.nn.ModuleList, torch.nn.Identity):
         return "structural", None
     if cls.__name__ == "PPMissingLayer":
