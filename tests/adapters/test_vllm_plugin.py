@@ -559,3 +559,19 @@ def test_routing_checks_with_engine_core_in_own_process(llama_fp32, plugin, tmp_
         assert res["n"] == 4
     else:
         assert not res["ok"] and "RL_ENGINE_VLLM=1" in res["error"], res
+
+
+def test_qwen3_attention_bias_is_refused_by_the_check():
+    """Qwen3 / Qwen3-MoE with ``attention_bias=True``: transformers adds a bias to ``o_proj``,
+    vLLM's model has none (it silently leaves the checkpoint's out), so the rollout would
+    compute another model than the trainer; the check names the field. Qwen2 (no o_proj bias
+    in either) and the default pass."""
+    from types import SimpleNamespace
+
+    from rl_engine.adapters.vllm import check
+
+    for mt in ("qwen3", "qwen3_moe"):
+        (why,) = check.config_unroutable(SimpleNamespace(model_type=mt, attention_bias=True))
+        assert "attention_bias=True" in why and "o_proj" in why, why
+        assert check.config_unroutable(SimpleNamespace(model_type=mt, attention_bias=False)) == []
+    assert check.config_unroutable(SimpleNamespace(model_type="qwen2", attention_bias=True)) == []

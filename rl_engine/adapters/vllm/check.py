@@ -151,6 +151,7 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         unroutable.append(
             f"<model>: architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    unroutable += config_unroutable(vllm_config.model_config.hf_config)
     moe, moe_layers = _moe_prepass(model, vllm_config)
     routed_prefixes: list[str] = []
     for name, module in model.named_modules():
@@ -178,6 +179,21 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         "routed_ops": _routed_ops(routed, moe_layers),
         "moe_layers": moe_layers,
     }
+
+
+def config_unroutable(hf_config: Any) -> list[str]:
+    """Config fields whose computation vLLM's model does not run as transformers defines it (the
+    rollout would compute another model than the trainer, whatever the kernels): one entry per
+    field, naming it."""
+    out = []
+    mt = getattr(hf_config, "model_type", None)
+    if mt in ("qwen3", "qwen3_moe") and getattr(hf_config, "attention_bias", False):
+        out.append(
+            f"<model>: {mt} attention_bias=True: transformers gives o_proj a bias, vLLM's "
+            f"{mt} attention builds o_proj without one (the checkpoint's o_proj.bias is not "
+            "used)"
+        )
+    return out
 
 
 def _routed_ops(routed: dict[str, int], moe_layers: dict[str, Any]) -> list[str]:
