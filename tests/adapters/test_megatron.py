@@ -444,3 +444,16 @@ def test_checkpoint_tensor_without_a_place_refused(tmp_path):
         ma.from_pretrained(path)
     with pytest.raises(ma.UnsupportedNumericsError, match="attention_bias"):
         ma.stock_from_pretrained(path)
+
+
+def test_stock_model_refuses_rope_scaling(tmp_path):
+    """megatron's stock rotary embedding takes ``rope_theta`` alone: the stock model of a
+    checkpoint with RoPE scaling is refused (it would compute another model), naming the type;
+    rl_engine's model runs the scaling."""
+    from rl_engine.adapters import megatron as ma
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    path = make_tiny_model(tmp_path / "m", "llama", rope_parameters=scaling)
+    with pytest.raises(ma.UnsupportedNumericsError, match="rope_type 'linear'"):
+        ma.stock_from_pretrained(path)
+    assert ma.from_pretrained(path).rl_engine_rope.scaling["rope_type"] == "linear"

@@ -29,6 +29,7 @@ __all__ = [
     "rope_from_hf_config",
     "shard_state",
     "stock_from_pretrained",
+    "stock_unsupported_reason",
 ]
 
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -684,6 +685,34 @@ def _stock_moe_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def stock_unsupported_reason(cfg: dict[str, Any]) -> str | None:
+    """Why the stock megatron-core model (:func:`stock_from_pretrained`) cannot compute the
+    checkpoint's model, or ``None``: its local spec has one MLP kind for every layer, its RoPE
+    takes a base only, and its ``TopKRouter`` requires ``moe_router_pre_softmax`` at top-1."""
+    sparse = moe_layers(cfg)
+    if any(sparse) and not all(sparse):
+        return (
+            "a mix of dense and MoE layers (mlp_only_layers / decoder_sparse_step; the stock "
+            "local spec has one MLP kind for every layer)"
+        )
+    rope = rope_from_hf_config(cfg)
+    if rope.scaling is not None or rope.rotary_dim is not None:
+        what = f"rope_type {rope.scaling['rope_type']!r}" if rope.scaling else "partial rotary"
+        return (
+            f"RoPE with {what} (megatron's stock rotary embedding is built from rope_theta "
+            "alone: it would compute another model)"
+        )
+    spec = _moe_spec(cfg) if any(sparse) else None
+    if spec is not None and spec.top_k == 1 and not _stock_pre_softmax(spec):
+        return (
+            f"{cfg['model_type']} num_experts_per_tok=1 (the expert's weight is 1: top-k then "
+            "softmax over the k, or a renormalised softmax): megatron-core's TopKRouter "
+            "requires moe_router_pre_softmax at top-1, which weights the expert by its softmax "
+            "probability instead"
+        )
+    return None
+
+
 def stock_from_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None
 ) -> Any:
@@ -701,24 +730,13 @@ def stock_from_pretrained(
 
     path = os.fspath(path)
     cfg = _read_config(path)
+    reason = stock_unsupported_reason(cfg)
+    if reason is not None:
+        raise UnsupportedNumericsError(f"stock_from_pretrained: {reason}")
     dtype = _config_dtype(cfg, dtype)
     mcfg = hf_config_to_megatron(cfg, dtype)
     rope = rope_from_hf_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
-    sparse = moe_layers(cfg)
-    if any(sparse) and not all(sparse):
-        raise UnsupportedNumericsError(
-            "stock_from_pretrained: a mix of dense and MoE layers (the stock local spec has one "
-            "MLP kind for every layer)"
-        )
-    spec = _moe_spec(cfg) if any(sparse) else None
-    if spec is not None and spec.top_k == 1 and not _stock_pre_softmax(spec):
-        raise UnsupportedNumericsError(
-            f"stock_from_pretrained: {cfg['model_type']} num_experts_per_tok=1 (the expert's "
-            "weight is 1: top-k then softmax over the k, or a renormalised softmax): "
-            "megatron-core's TopKRouter requires moe_router_pre_softmax at top-1, which "
-            "weights the expert by its softmax probability instead"
-        )
     model = GPTModel(
         mcfg,
         get_gpt_layer_local_spec(
