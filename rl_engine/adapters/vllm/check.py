@@ -193,6 +193,16 @@ def config_unroutable(hf_config: Any) -> list[str]:
             f"{mt} attention builds o_proj without one (the checkpoint's o_proj.bias is not "
             "used)"
         )
+    if mt in ("qwen2", "qwen2_moe"):
+        hidden = getattr(hf_config, "hidden_size", None)
+        heads = getattr(hf_config, "num_attention_heads", None)
+        head_dim = getattr(hf_config, "head_dim", None)
+        if head_dim and hidden and heads and head_dim != hidden // heads:
+            out.append(
+                f"<model>: {mt} head_dim={head_dim}: vLLM's {mt} attention takes "
+                f"hidden_size // num_attention_heads = {hidden // heads} as its head size "
+                "(transformers takes head_dim)"
+            )
     return out
 
 
