@@ -457,3 +457,17 @@ def test_stock_model_refuses_rope_scaling(tmp_path):
     with pytest.raises(ma.UnsupportedNumericsError, match="rope_type 'linear'"):
         ma.stock_from_pretrained(path)
     assert ma.from_pretrained(path).rl_engine_rope.scaling["rope_type"] == "linear"
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error(tmp_path):
+    """An id outside ``[0, vocab)`` anywhere (the first token is embedded, never scored) is a
+    ValueError naming the range, as in the HF adapter: not an ``IndexError`` from inside the
+    embedding (at TP > 1 a vocab-parallel embedding would give it a silent zero row)."""
+    from rl_engine.adapters import megatron as ma
+
+    model = ma.from_pretrained(make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=1))
+    for bad in ([512, 5, 6], [-1, 5, 6]):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+            ma.token_logprobs(model, torch.tensor([bad]), 1.0)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+            ma.token_logprobs(model, torch.tensor(bad), 1.0, cu_seqlens=torch.tensor([0, 3]))
