@@ -261,7 +261,27 @@ def _validate(
                 f"the model's context of {max_pos} tokens"
             )
     config["_max_model_len"] = min(max_pos, max(len(p) for p in prompts) + args.max_tokens + 16)
+    if args.trainer == "megatron" and "stock" in args.config_list:
+        _check_stock_megatron(config, model)
     return model, config, prompts
+
+
+def _check_stock_megatron(config: dict[str, Any], model: str) -> None:
+    """Refuse, before any engine starts, a checkpoint the stock Megatron trainer cannot compute
+    (its scores would measure another model, not drift)."""
+    from rl_engine.adapters.megatron.loader import stock_unsupported_reason
+
+    try:
+        reason = stock_unsupported_reason(config)
+    except KeyError as exc:
+        raise AuditInputError(f"{model}/config.json has no {exc.args[0]}") from None
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise AuditInputError(f"{model}/config.json: {exc}") from None
+    if reason is not None:
+        raise AuditInputError(
+            f"the stock configuration's Megatron trainer cannot compute {model}: {reason}; "
+            "run --configurations rl_engine, or --trainer hf"
+        )
 
 
 def _moe_spec(config: dict[str, Any], model: str) -> Any:

@@ -79,11 +79,25 @@ def _layer_points(
         (f"L{i}.attn", attn),
         (f"L{i}.post_attn_norm", post_norm),
     ]
-    router = _router_module(layer.mlp, kind)
+    mlp = _mlp_module(layer)
+    router = _router_module(mlp, kind)
     if router is not None:
         pts.append((f"L{i}.router", router))
-    pts.append((f"L{i}.mlp", layer.mlp))
+    pts.append((f"L{i}.mlp", mlp))
     return pts
+
+
+def _mlp_module(layer: torch.nn.Module) -> torch.nn.Module:
+    """A decoder layer's MLP / MoE block: ``mlp`` (transformers, Megatron, vLLM's Llama / Qwen
+    families) or ``block_sparse_moe`` (vLLM's Mixtral)."""
+    for name in ("mlp", "block_sparse_moe"):
+        mlp = getattr(layer, name, None)
+        if isinstance(mlp, torch.nn.Module):
+            return mlp
+    raise AttributeError(
+        f"{type(layer).__name__} has neither an 'mlp' nor a 'block_sparse_moe' module: no "
+        "MLP / MoE block to hook"
+    )
 
 
 def _router_module(mlp: torch.nn.Module, kind: str) -> torch.nn.Module | None:

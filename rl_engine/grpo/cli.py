@@ -127,7 +127,13 @@ def _validate(args: argparse.Namespace, workdir: str) -> tuple[str, list[str]]:
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise GRPOInputError(f"--device {args.device!r}: expected cpu or cuda (or cuda:N)")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise GRPOInputError(f"--device {args.device}: CUDA is not available")
     if args.model is None:
         model = _cli_common.embedded_model(workdir, args.dtype, args.seed)

@@ -72,7 +72,9 @@ def _config(arch: str, dtype: str, tie_word_embeddings: bool, overrides: dict[st
     kw.update(_MOE.get(arch, {}))
     kw.update(overrides)
     theta = kw.pop("rope_theta")
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    # an override's rope_parameters (RoPE scaling) keep their keys; rope_theta fills a gap
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
+                             **(kw.get("rope_parameters") or {})}  # fmt: skip
     kw["tie_word_embeddings"] = tie_word_embeddings
     kw["dtype"] = dtype
     if arch not in _CLASSES:

@@ -366,3 +366,12 @@ def test_transposed_expert_layout(ckpts):
     assert (
         ex.gate_up_proj.grad.shape == ex.gate_up_proj.shape and ex.gate_up_proj.grad.abs().sum() > 0
     )
+
+
+def test_mixtral_sliding_window_refused(tmp_path):
+    """transformers' Mixtral applies ``sliding_window`` whenever it is set (no
+    ``use_sliding_window`` switch): the patched full-causal attention would silently differ
+    from the model past the window, so patching refuses, naming the field."""
+    path = _make(tmp_path / "sw", "mixtral", sliding_window=8)
+    with pytest.raises(ha.UnsupportedModelError, match="mixtral sliding_window=8"):
+        ha.patch_model(tc.load_hf(path, "float32", patch=False))

@@ -431,3 +431,43 @@ def test_unsupported_config_refused(tmp_path):
     path = make_tiny_model(tmp_path / "m", "llama", hidden_act="gelu")
     with pytest.raises(ma.UnsupportedNumericsError, match="hidden_act"):
         ma.from_pretrained(path)
+
+
+def test_checkpoint_tensor_without_a_place_refused(tmp_path):
+    """A checkpoint tensor the Megatron model has no place for is refused, named, never
+    dropped: Qwen3 with ``attention_bias=True`` has an ``o_proj`` bias (transformers adds it to
+    the attention output), which the GPT model built without linear biases would ignore."""
+    from rl_engine.adapters import megatron as ma
+
+    path = make_tiny_model(tmp_path / "m", "qwen3", attention_bias=True)
+    with pytest.raises(ma.UnsupportedNumericsError, match=r"layers\.0\.self_attn\.o_proj\.bias"):
+        ma.from_pretrained(path)
+    with pytest.raises(ma.UnsupportedNumericsError, match="attention_bias"):
+        ma.stock_from_pretrained(path)
+
+
+def test_stock_model_refuses_rope_scaling(tmp_path):
+    """megatron's stock rotary embedding takes ``rope_theta`` alone: the stock model of a
+    checkpoint with RoPE scaling is refused (it would compute another model), naming the type;
+    rl_engine's model runs the scaling."""
+    from rl_engine.adapters import megatron as ma
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    path = make_tiny_model(tmp_path / "m", "llama", rope_parameters=scaling)
+    with pytest.raises(ma.UnsupportedNumericsError, match="rope_type 'linear'"):
+        ma.stock_from_pretrained(path)
+    assert ma.from_pretrained(path).rl_engine_rope.scaling["rope_type"] == "linear"
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error(tmp_path):
+    """An id outside ``[0, vocab)`` anywhere (the first token is embedded, never scored) is a
+    ValueError naming the range, as in the HF adapter: not an ``IndexError`` from inside the
+    embedding (at TP > 1 a vocab-parallel embedding would give it a silent zero row)."""
+    from rl_engine.adapters import megatron as ma
+
+    model = ma.from_pretrained(make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=1))
+    for bad in ([512, 5, 6], [-1, 5, 6]):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+            ma.token_logprobs(model, torch.tensor([bad]), 1.0)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+            ma.token_logprobs(model, torch.tensor(bad), 1.0, cu_seqlens=torch.tensor([0, 3]))

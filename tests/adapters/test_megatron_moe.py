@@ -341,3 +341,30 @@ def test_equals_hf_adapter_bitwise(models, ckpts, case):
             a = ma.token_logprobs(models[case], seq[None], TEMP)
             b = ha.token_logprobs(hf, seq[None], TEMP)
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize(
+    "arch, over",
+    [("mixtral", {}), ("qwen3_moe", {"norm_topk_prob": True}), ("qwen2_moe", {})],
+    ids=["mixtral", "qwen3_moe-renormalised", "qwen2_moe"],
+)
+def test_top1_routing_loads_and_equals_reference(tmp_path, arch, over):
+    """Top-1 routing (``num_experts_per_tok=1``): megatron-core's ``TransformerConfig`` demands
+    ``moe_router_pre_softmax`` at top-1, which ``RLMoELayer`` does not read (it runs the
+    family's rule: weight 1 for Mixtral / renormalised Qwen, the softmax probability
+    otherwise). It builds and equals the pure-ops reference; the stock model refuses a rule its
+    ``TopKRouter`` cannot express at top-1, naming the config field."""
+    from rl_engine.adapters import megatron as ma
+
+    path = make_tiny_model(tmp_path / arch, arch, "float32", seed=3, num_experts_per_tok=1,
+                           **over)  # fmt: skip
+    model = ma.from_pretrained(path)
+    for seq in tc.sequences()[:2]:
+        with torch.no_grad():
+            got = ma.token_logprobs(model, seq[None], TEMP)[0]
+        assert torch.equal(got, reference_logprobs(path, seq, TEMP))
+    if arch == "qwen2_moe":  # softmax, not renormalised: megatron's pre-softmax router
+        assert type(ma.stock_from_pretrained(path).decoder.layers[0].mlp).__name__ == "MoELayer"
+    else:
+        with pytest.raises(ma.UnsupportedNumericsError, match="num_experts_per_tok=1"):
+            ma.stock_from_pretrained(path)

@@ -444,3 +444,48 @@ def test_moe_forward_feeds_vllms_routing_capture(env):
     assert len(got) == 1
     assert torch.equal(got[0], moe_topk(logits.float(), 2, "softmax", True)[1].to(got[0].dtype))
     assert torch.equal(captured, plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_dense_mlp_of_an_moe_model_is_structural(env, family):
+    """A dense layer of a Qwen2/3-MoE model (``mlp_only_layers``, ``decoder_sparse_step``) is
+    vLLM's ``Qwen*MoeMLP`` without an expert gate: its forward only wires routed layers
+    (gate_up_proj, act_fn, down_proj), so the check passes it; with a sigmoid expert gate (a
+    shared expert outside a routed MoE layer) it computes and is refused, saying why."""
+    import importlib
+
+    from rl_engine.adapters.vllm import check
+
+    name = "Qwen3MoeMLP" if family == "qwen3_moe" else "Qwen2MoeMLP"
+    cls = getattr(importlib.import_module(f"vllm.model_executor.models.{family}"), name)
+    mlp = object.__new__(cls)
+    torch.nn.Module.__init__(mlp)
+    mlp.expert_gate = None
+    assert check._classify("model.layers.0.mlp", mlp, _vllm_config()) == ("structural", None)
+    mlp.expert_gate = torch.nn.Linear(4, 1)
+    kind, why = check._classify("model.layers.0.mlp", mlp, _vllm_config())
+    assert kind == "unroutable" and "expert gate" in why, why
+
+
+@pytest.mark.parametrize(
+    "arch, over",
+    [("qwen3_moe", {"mlp_only_layers": [0]}), ("qwen2_moe", {"decoder_sparse_step": 2})],
+    ids=["qwen3_moe-mlp_only_layers", "qwen2_moe-decoder_sparse_step"],
+)
+def test_mixed_dense_and_moe_layers_rollout_equals_trainer(env, tmp_path, arch, over):
+    """A Qwen2/3-MoE checkpoint with dense layers: the plugin loads it (the dense MLPs are
+    structural, the MoE layers routed) and 6 concurrent rows equal the HF trainer bitwise."""
+    from rl_engine.adapters import vllm as adapter
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, dtype="bfloat16", seed=1, **over)
+    wl = _workload()
+    llm = vp._engine(path, "bfloat16", plugin=True, budget=32, prefix_caching=True)
+    try:
+        batch = _sampled(vp._generate(llm, list(range(6)), wl, seeded=False))
+        model = adapter.provenance(llm)[0]["models"][-1]
+    finally:
+        vp._close(llm)
+        adapter.remove()
+    assert model["unroutable"] == [] and model["routed"]["MoERunner"] == 1
+    total, bad, where = _mismatches(path, wl, [batch])
+    assert total > 0 and bad == 0, f"{bad}/{total} differ from the HF trainer: {where[:5]}"

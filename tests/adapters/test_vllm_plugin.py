@@ -559,3 +559,37 @@ def test_routing_checks_with_engine_core_in_own_process(llama_fp32, plugin, tmp_
         assert res["n"] == 4
     else:
         assert not res["ok"] and "RL_ENGINE_VLLM=1" in res["error"], res
+
+
+def test_qwen3_attention_bias_is_refused_by_the_check():
+    """Qwen3 / Qwen3-MoE with ``attention_bias=True``: transformers adds a bias to ``o_proj``,
+    vLLM's model has none (it silently leaves the checkpoint's out), so the rollout would
+    compute another model than the trainer; the check names the field. Qwen2 (no o_proj bias
+    in either) and the default pass."""
+    from types import SimpleNamespace
+
+    from rl_engine.adapters.vllm import check
+
+    for mt in ("qwen3", "qwen3_moe"):
+        (why,) = check.config_unroutable(SimpleNamespace(model_type=mt, attention_bias=True))
+        assert "attention_bias=True" in why and "o_proj" in why, why
+        assert check.config_unroutable(SimpleNamespace(model_type=mt, attention_bias=False)) == []
+    assert check.config_unroutable(SimpleNamespace(model_type="qwen2", attention_bias=True)) == []
+
+
+def test_qwen2_head_dim_other_than_hidden_over_heads_is_refused_by_the_check():
+    """vLLM's Qwen2 / Qwen2-MoE attention takes ``hidden_size // num_attention_heads`` as its
+    head size whatever ``head_dim`` says (transformers takes ``head_dim``): such a checkpoint
+    loaded and ran another model. The check names the field; a consistent head_dim passes."""
+    from types import SimpleNamespace
+
+    from rl_engine.adapters.vllm import check
+
+    for mt in ("qwen2", "qwen2_moe"):
+        cfg = SimpleNamespace(model_type=mt, hidden_size=120, num_attention_heads=6, head_dim=80)
+        (why,) = check.config_unroutable(cfg)
+        assert f"{mt} head_dim=80" in why and "= 20" in why, why
+        cfg.head_dim = 20
+        assert check.config_unroutable(cfg) == []
+    cfg = SimpleNamespace(model_type="qwen3", hidden_size=120, num_attention_heads=6, head_dim=80)
+    assert check.config_unroutable(cfg) == []  # vLLM's Qwen3 reads head_dim

@@ -128,3 +128,28 @@ def test_moe_stock_megatron_router_is_captured(moe_ckpt):
     r = _routing(a, b)
     assert set(r["layers"]) == {"L0", "L1"}
     assert all(0.0 <= v <= 1.0 for v in r["layers"].values())
+
+
+def test_vllm_mixtral_layers_hook_their_block_sparse_moe():
+    """vLLM's Mixtral decoder layer holds its MoE block as ``block_sparse_moe`` (no ``mlp``):
+    the hook points are its router (``gate``) and the block, as for the other families."""
+    mod = torch.nn.Module
+
+    def layer():
+        lay = mod()
+        lay.input_layernorm, lay.self_attn, lay.post_attention_layernorm = mod(), mod(), mod()
+        lay.block_sparse_moe = mod()
+        lay.block_sparse_moe.gate, lay.block_sparse_moe.experts = mod(), mod()
+        return lay
+
+    model = mod()
+    model.model = mod()
+    model.model.embed_tokens, model.model.norm = mod(), mod()
+    model.model.layers = torch.nn.ModuleList([layer(), layer()])
+    pts = dict(lz.hook_points(model, "vllm"))
+    for i, lay in enumerate(model.model.layers):
+        assert pts[f"L{i}.router"] is lay.block_sparse_moe.gate
+        assert pts[f"L{i}.mlp"] is lay.block_sparse_moe
+    del model.model.layers[1].block_sparse_moe
+    with pytest.raises(AttributeError, match="neither an 'mlp' nor a 'block_sparse_moe'"):
+        lz.hook_points(model, "vllm")

@@ -250,3 +250,35 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"rl-engine {__version__}"
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"mlp_only_layers": [0]}, "a mix of dense and MoE layers (mlp_only_layers"),
+        ({"num_experts_per_tok": 1, "norm_topk_prob": True}, "num_experts_per_tok=1"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type 'linear'",
+        ),
+    ],
+    ids=["mixed-layers", "top1", "rope-scaling"],
+)
+def test_audit_stock_megatron_cannot_compute_the_checkpoint(tmp_path, capsys, over, message):
+    """A checkpoint the stock Megatron trainer cannot compute (its scores would measure another
+    model, not drift) is an input error before any engine starts, naming the field and the
+    way out; the rl_engine configuration alone (or the HF trainer) is not refused for it."""
+    import argparse
+
+    from rl_engine.audit import cli
+    from rl_engine.testing.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "qwen3_moe", **over)
+    rc = _cli([*SMALL, "--model", model, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "--configurations rl_engine" in err, err
+    assert not (tmp_path / "out").exists()
+    parser = argparse.ArgumentParser()
+    cli._add_arguments(parser)
+    for argv in (["--configurations", "rl_engine"], ["--trainer", "hf"]):
+        cli._validate(parser.parse_args([*SMALL, "--model", model, *argv]), str(tmp_path))

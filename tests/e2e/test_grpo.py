@@ -107,6 +107,8 @@ def test_grpo_bad_input(tmp_path, capsys):
     assert "expected rl_engine and / or stock" in err("--configurations", "stock,foo")
     assert "not a Hugging Face model folder" in err("--model", str(tmp_path))
     assert "cannot import" in err("--reward", "no_such_module_xyz:f")
+    assert "expected cpu or cuda" in err("--device", "tpu")
+    assert "expected cpu or cuda" in err("--device", "meta")
     assert not (tmp_path / "out").exists()
 
 

@@ -107,6 +107,17 @@ def _check_config(config: Any) -> None:
         raise UnsupportedModelError(f"patch_model: hidden_act {config.hidden_act!r}")
     if getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError("patch_model: sliding-window attention")
+    if mt == "mixtral" and getattr(config, "sliding_window", None) is not None:
+        # transformers' Mixtral applies the window whenever the field is set (no
+        # use_sliding_window switch); the patched attention is full causal
+        raise UnsupportedModelError(
+            f"patch_model: mixtral sliding_window={config.sliding_window} (sliding-window "
+            "attention; set it to null for full causal attention)"
+        )
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise UnsupportedModelError(
+            "patch_model: sliding-window attention (config layer_types has 'sliding_attention')"
+        )
     if getattr(config, "pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError("patch_model: pretraining_tp > 1")
 

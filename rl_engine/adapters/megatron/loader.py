@@ -29,6 +29,7 @@ __all__ = [
     "rope_from_hf_config",
     "shard_state",
     "stock_from_pretrained",
+    "stock_unsupported_reason",
 ]
 
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -65,6 +66,13 @@ def moe_routing(cfg: dict[str, Any]) -> dict[str, Any]:
     every engine, ``adapters._moe``): Qwen3-MoE / Qwen2-MoE: softmax over all experts, top-k,
     renormalised when ``norm_topk_prob``; Mixtral: top-k of the logits, softmax over the k."""
     return _moe_spec(cfg).topk_kwargs
+
+
+def _stock_pre_softmax(spec: Any) -> bool:
+    """Whether megatron's ``TopKRouter`` computes the family's routing with
+    ``moe_router_pre_softmax`` (softmax over all experts, top-k, not renormalised) rather than
+    its default (top-k of the logits, softmax over the k: Mixtral, renormalised Qwen)."""
+    return spec.scoring == "softmax" and not spec.renormalize
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -145,8 +153,10 @@ def hf_config_to_megatron(cfg: dict[str, Any], dtype: torch.dtype, **overrides: 
             moe_shared_expert_gate=bool(shared),
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # the stock router's nearest equivalent (rl_engine's layer takes moe_routing)
-            moe_router_pre_softmax=spec.scoring == "softmax" and not spec.renormalize,
+            # the stock router's nearest equivalent (rl_engine's layer takes moe_routing);
+            # megatron-core requires pre-softmax at top-1 (stock_from_pretrained refuses a
+            # top-1 rule it would change), RLMoELayer does not read it
+            moe_router_pre_softmax=_stock_pre_softmax(spec) or spec.top_k == 1,
         )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -188,6 +198,7 @@ def hf_to_megatron_state(
         return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest).contiguous()
 
     sparse = moe_layers(cfg)
+    hf = _ReadTracker(hf)
     out["embedding.word_embeddings.weight"] = hf[pre + "embed_tokens.weight"]
     out["decoder.final_layernorm.weight"] = hf[pre + "norm.weight"]
     if not tied:
@@ -216,7 +227,48 @@ def hf_to_megatron_state(
             [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0
         )
         out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    _refuse_unread(hf, cfg, tied)
     return out
+
+
+class _ReadTracker(dict):
+    """A state dict that records which keys were read (``[]``)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _refuse_unread(hf: _ReadTracker, cfg: dict[str, Any], tied: bool) -> None:
+    """Refuse checkpoint tensors the mapping did not read: the GPT model would run without them
+    (e.g. Qwen3's ``o_proj`` bias under ``attention_bias=True``, which megatron's attention
+    output projection, built without linear biases, has no place for). Not refused: RoPE
+    ``inv_freq`` buffers (rl_engine's rope builds its own tables), a tied model's saved
+    ``lm_head.weight`` and empty tensors (a zero-width shared expert)."""
+    left = sorted(
+        k
+        for k, v in dict.items(hf)
+        if k not in hf.read
+        and not k.endswith("rotary_emb.inv_freq")
+        and not (tied and k == "lm_head.weight")
+        and v.numel() > 0
+    )
+    if left:
+        hint = ""
+        if any(k.endswith("o_proj.bias") for k in left):
+            hint = (
+                f" ({cfg.get('model_type')} attention_bias="
+                f"{cfg.get('attention_bias')}: a bias on the attention output projection)"
+            )
+        raise UnsupportedNumericsError(
+            f"from_pretrained: {len(left)} checkpoint tensor(s) the Megatron model has no place "
+            f"for{hint}; running without them computes another model: {left[:6]}"
+            + (" ..." if len(left) > 6 else "")
+        )
 
 
 # per-expert Hugging Face names (the layout checkpoints are saved in): (gate, up, down)
@@ -633,6 +685,34 @@ def _stock_moe_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def stock_unsupported_reason(cfg: dict[str, Any]) -> str | None:
+    """Why the stock megatron-core model (:func:`stock_from_pretrained`) cannot compute the
+    checkpoint's model, or ``None``: its local spec has one MLP kind for every layer, its RoPE
+    takes a base only, and its ``TopKRouter`` requires ``moe_router_pre_softmax`` at top-1."""
+    sparse = moe_layers(cfg)
+    if any(sparse) and not all(sparse):
+        return (
+            "a mix of dense and MoE layers (mlp_only_layers / decoder_sparse_step; the stock "
+            "local spec has one MLP kind for every layer)"
+        )
+    rope = rope_from_hf_config(cfg)
+    if rope.scaling is not None or rope.rotary_dim is not None:
+        what = f"rope_type {rope.scaling['rope_type']!r}" if rope.scaling else "partial rotary"
+        return (
+            f"RoPE with {what} (megatron's stock rotary embedding is built from rope_theta "
+            "alone: it would compute another model)"
+        )
+    spec = _moe_spec(cfg) if any(sparse) else None
+    if spec is not None and spec.top_k == 1 and not _stock_pre_softmax(spec):
+        return (
+            f"{cfg['model_type']} num_experts_per_tok=1 (the expert's weight is 1: top-k then "
+            "softmax over the k, or a renormalised softmax): megatron-core's TopKRouter "
+            "requires moe_router_pre_softmax at top-1, which weights the expert by its softmax "
+            "probability instead"
+        )
+    return None
+
+
 def stock_from_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None
 ) -> Any:
@@ -650,16 +730,13 @@ def stock_from_pretrained(
 
     path = os.fspath(path)
     cfg = _read_config(path)
+    reason = stock_unsupported_reason(cfg)
+    if reason is not None:
+        raise UnsupportedNumericsError(f"stock_from_pretrained: {reason}")
     dtype = _config_dtype(cfg, dtype)
     mcfg = hf_config_to_megatron(cfg, dtype)
     rope = rope_from_hf_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
-    sparse = moe_layers(cfg)
-    if any(sparse) and not all(sparse):
-        raise UnsupportedNumericsError(
-            "stock_from_pretrained: a mix of dense and MoE layers (the stock local spec has one "
-            "MLP kind for every layer)"
-        )
     model = GPTModel(
         mcfg,
         get_gpt_layer_local_spec(

@@ -126,7 +126,15 @@ def _classify(
             return "unroutable", f"head_dtype {head_dtype} != model dtype"
         return "routed", None
     if cls.__name__ in _NOT_STRUCTURAL:
-        return "unroutable", f"{cls.__name__} outside a routed MoE layer (its forward computes)"
+        # Without an expert gate the forward is gate_up_proj -> act_fn -> down_proj (routed
+        # layers only): the dense layers of an MoE model (mlp_only_layers, decoder_sparse_step).
+        # A class without the attribute (another vLLM version) stays refused.
+        if getattr(module, "expert_gate", True) is not None:
+            return "unroutable", (
+                f"{cls.__name__} with a sigmoid expert gate outside a routed MoE layer (its "
+                "forward computes sigmoid(gate) * out)"
+            )
+        return "structural", None
     if cls.__module__ in _STRUCTURAL_MODULES or cls in (torch.nn.ModuleList, torch.nn.Identity):
         return "structural", None
     if cls.__name__ == "PPMissingLayer":
@@ -143,6 +151,7 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         unroutable.append(
             f"<model>: architecture {archs} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    unroutable += config_unroutable(vllm_config.model_config.hf_config)
     moe, moe_layers = _moe_prepass(model, vllm_config)
     routed_prefixes: list[str] = []
     for name, module in model.named_modules():
@@ -170,6 +179,31 @@ def check_model(model: torch.nn.Module, vllm_config: Any) -> dict[str, Any]:
         "routed_ops": _routed_ops(routed, moe_layers),
         "moe_layers": moe_layers,
     }
+
+
+def config_unroutable(hf_config: Any) -> list[str]:
+    """Config fields whose computation vLLM's model does not run as transformers defines it (the
+    rollout would compute another model than the trainer, whatever the kernels): one entry per
+    field, naming it."""
+    out = []
+    mt = getattr(hf_config, "model_type", None)
+    if mt in ("qwen3", "qwen3_moe") and getattr(hf_config, "attention_bias", False):
+        out.append(
+            f"<model>: {mt} attention_bias=True: transformers gives o_proj a bias, vLLM's "
+            f"{mt} attention builds o_proj without one (the checkpoint's o_proj.bias is not "
+            "used)"
+        )
+    if mt in ("qwen2", "qwen2_moe"):
+        hidden = getattr(hf_config, "hidden_size", None)
+        heads = getattr(hf_config, "num_attention_heads", None)
+        head_dim = getattr(hf_config, "head_dim", None)
+        if head_dim and hidden and heads and head_dim != hidden // heads:
+            out.append(
+                f"<model>: {mt} head_dim={head_dim}: vLLM's {mt} attention takes "
+                f"hidden_size // num_attention_heads = {hidden // heads} as its head size "
+                "(transformers takes head_dim)"
+            )
+    return out
 
 
 def _routed_ops(routed: dict[str, int], moe_layers: dict[str, Any]) -> list[str]:

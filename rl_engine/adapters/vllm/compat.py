@@ -305,9 +305,10 @@ STRUCTURAL_MODULES = (
     "vllm.model_executor.models.mixtral",
     "vllm.model_executor.models.qwen2_moe",
 )
-# Classes of those modules that do arithmetic in their ``forward``: never structural. The MoE
-# MLPs used as shared experts (``sigmoid(gate) * out``) are computed piecewise by the routed MoE
-# forward, which calls their routed linear / activation layers only (:mod:`.moe`).
+# Classes of those modules that do arithmetic in their ``forward`` when they carry an
+# ``expert_gate``: structural only without one (a dense layer of an MoE model). The MoE MLPs used
+# as shared experts (``sigmoid(gate) * out``) are computed piecewise by the routed MoE forward,
+# which calls their routed linear / activation layers only (:mod:`.moe`).
 NOT_STRUCTURAL = ("Qwen2MoeMLP", "Qwen3MoeMLP")
 
 
