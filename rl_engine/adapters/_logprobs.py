@@ -19,3 +19,19 @@ def packed_keep(cu: torch.Tensor, t: int, device: torch.device) -> torch.Tensor:
     keep = torch.ones(t - 1, dtype=torch.bool, device=device)
     keep[starts - 1] = False
     return keep
+
+
+def check_input_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Every id (padding included: the embedding looks each one up) in ``[0, vocab)`` of the
+    model's true vocabulary: a clear error instead of an ``IndexError`` inside the embedding (on
+    a GPU a device-side assert), a silent zero row under a vocab-parallel embedding at TP > 1
+    (ids outside every rank's shard), or a padded row's embedding (Megatron's vocabulary
+    padding)."""
+    from rl_engine.ops.logp.reference import check_token_range
+
+    if not ids.numel():
+        return
+    try:
+        check_token_range(ids.reshape(-1), vocab)
+    except ValueError as exc:
+        raise ValueError(f"token_logprobs: input_ids: {exc} (the model's vocabulary)") from None

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rl_engine import ops
-from rl_engine.adapters._logprobs import masked, packed_keep
+from rl_engine.adapters._logprobs import check_input_ids, masked, packed_keep
 from rl_engine.adapters.hf.patch import UnsupportedModelError, is_patched
 
 __all__ = ["token_logprobs"]
@@ -25,17 +25,10 @@ def _parts(model: Any) -> tuple[Any, torch.Tensor]:
 
 
 def _check_ids(model: Any, ids: torch.Tensor) -> None:
-    """Every id (padding included: the embedding looks each one up) in ``[0, vocab)``: a clear
-    error instead of an ``IndexError`` inside the embedding (on a GPU a device-side assert)."""
-    from rl_engine.ops.logp.reference import check_token_range
-
+    """:func:`check_input_ids` against the input embedding's rows."""
     emb = model.get_input_embeddings()
-    vocab = int(emb.weight.shape[0]) if emb is not None else None
-    if vocab is not None and ids.numel():
-        try:
-            check_token_range(ids.reshape(-1), vocab)
-        except ValueError as exc:
-            raise ValueError(f"token_logprobs: input_ids: {exc} (the model's vocabulary)") from None
+    if emb is not None:
+        check_input_ids(ids, int(emb.weight.shape[0]))
 
 
 def token_logprobs(

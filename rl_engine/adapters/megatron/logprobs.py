@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rl_engine import ops
-from rl_engine.adapters._logprobs import masked, packed_keep
+from rl_engine.adapters._logprobs import check_input_ids, masked, packed_keep
 from rl_engine.adapters.megatron.modules import UnsupportedNumericsError
 
 __all__ = ["token_logprobs", "true_vocab_size", "unwrap_gpt"]
@@ -173,19 +173,6 @@ def _packed_logprobs(gpt, ids, cu, weight, temperature, return_entropy):
     return masked(res, keep)
 
 
-def _check_ids(ids: torch.Tensor, vocab: int) -> None:
-    """Every id (padding included, as the HF adapter checks) in ``[0, vocab)`` of the true
-    vocabulary: a clear error instead of an ``IndexError`` inside the embedding at TP 1, a
-    silent zero embedding under a vocab-parallel embedding at TP > 1 (ids outside every
-    rank's shard), or a padded row's embedding (ids in Megatron's vocabulary padding)."""
-    from rl_engine.ops.logp.reference import check_token_range
-
-    try:
-        check_token_range(ids.reshape(-1), vocab)
-    except ValueError as exc:
-        raise ValueError(f"token_logprobs: input_ids: {exc} (the model's vocabulary)") from None
-
-
 def token_logprobs(
     model: Any,
     input_ids: torch.Tensor,
@@ -237,7 +224,7 @@ def token_logprobs(
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be int64/int32, got {input_ids.dtype}")
     input_ids = input_ids.long()
-    _check_ids(input_ids, weight.shape[0])
+    check_input_ids(input_ids, weight.shape[0])
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
