@@ -72,11 +72,19 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _ep_error(ep: int) -> str | None:
+    """Why ``ep`` cannot split the case's experts, or ``None``."""
+    if ep < 1 or EXPERTS % ep:
+        return f"ep {ep}: the EP degree must divide the case's {EXPERTS} experts"
+    return None
+
+
 def run(ep: int, device: str = "cpu") -> list[str]:
     """Run EP ``ep`` (a divisor of 8) in ``ep`` processes; returns the ranks that differ from
     EP 1 (empty: all bitwise equal)."""
-    if ep < 1 or EXPERTS % ep:
-        raise ValueError(f"ep={ep}: the EP degree must divide the case's {EXPERTS} experts")
+    reason = _ep_error(ep)
+    if reason is not None:
+        raise ValueError(reason)
     bad = []
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn.spawn(_worker, ep, (out_dir,), device)
@@ -97,9 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         degrees = [int(x) for x in args.ep.split(",")]
     except ValueError:
         p.error(f"--ep {args.ep!r}: expected comma separated integers")
-    for ep in degrees:
-        if ep < 1 or EXPERTS % ep:
-            p.error(f"--ep {ep}: the EP degree must divide the case's {EXPERTS} experts")
+    for reason in filter(None, map(_ep_error, degrees)):  # all checked before any runs
+        p.error(f"--{reason}")
     status = 0
     for ep in degrees:
         bad = run(ep, args.device)
