@@ -80,7 +80,8 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   # a difference); the benchmarks below run without it
   # pytest in a process group of its own (scripts/_run_group.sh): a timed-out run can leave
   # pytest-xdist workers behind, which must not share the GPU and the CPU with the benchmarks
-  RL_ENGINE_CHECK_LAUNCH=1 run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
+  # at the time limit pytest is interrupted (SIGINT), so that its summary still comes back
+  RL_ENGINE_CHECK_LAUNCH=1 RUN_GROUP_SIGNAL=INT run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
     $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs $XDIST "${REQ_ARGS[@]}" ${PYTEST_ARGS:-}
   status=$?
   echo "pytest exit status: $status"

@@ -32,9 +32,13 @@
 #   PHASE=bench   (above) the TP 2 rollout.
 #   PHASE=trainer_g8  the HF trainer step with / without the grouped numerics at TP 1 on GPU 0,
 #                 the trainer MoE block (--quick) on GPU 1.
+#   PHASE=g8_csrc the same HF trainer step on GPU 0 beside, on GPU 1, the CUDA C++ det_gemm tests,
+#                 every tile configuration vs cuBLAS and the fitted choice (carry build/csrc).
 #   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
 #                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
-#                 on GPU 1.
+#                 on GPU 1 (91% of each in 575 s on 2 x H200, 2026-11-28: more than one call).
+#   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
+#                 test_trainer_vs_vllm.py on GPU 1).
 #
 # One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
 #   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),
@@ -135,6 +139,13 @@ case ${PHASE:-checks} in
       --rows hf_sdpa,rl_engine_hf,rl_engine_hf_g8,hf_liger --out "$OUT/trainer"
     job moe_train "$T" 1 $PY benchmarks/bench_moe_train.py --quick --out "$OUT/train"
     ;;
+  g8_csrc)
+    install
+    job trainer_g8 "$T" 0 $PY benchmarks/bench_trainer_hf.py --no-megatron \
+      --rows hf_sdpa,rl_engine_hf,rl_engine_hf_g8,hf_liger --out "$OUT/trainer"
+    job csrc "$T" 1 env OUT="$OUT/csrc" BENCH_ARGS=--configs TEST_TIMEOUT=150 BENCH_TIMEOUT="$((T - 190))" \
+      bash scripts/gpu_csrc.sh
+    ;;
   tests2)
     install
     files=$(ls tests/ops/test_*.py)
@@ -142,10 +153,20 @@ case ${PHASE:-checks} in
     half1=$(echo "$files" | head -n $((n / 2)))
     half2=$(echo "$files" | tail -n $((n - n / 2)))
     job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$(echo $half1) tests/invariance" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     job tests_b "$T" 1 env OUT="$OUT/b" \
       TESTS="$(echo $half2) tests/adapters tests/audit/test_drift_monitor.py" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+    ;;
+  vtests)
+    # the vLLM engine tests against trainers on the engine's device: the MoE file on GPU 0, the
+    # dense plugin file and trainers-vs-vLLM on GPU 1
+    install
+    job vtests_a "$T" 0 env OUT="$OUT/va" TESTS="tests/adapters/test_vllm_moe.py" \
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+    job vtests_b "$T" 1 env OUT="$OUT/vb" \
+      TESTS="tests/adapters/test_vllm_plugin.py tests/adapters/test_trainer_vs_vllm.py" \
+      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     ;;
   solo_a)
     install
@@ -172,7 +193,7 @@ case ${PHASE:-checks} in
     wait
     job trl "$((T - ${T_TESTS:-260}))" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
     ;;
-  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, trainer_g8, tests2, solo_a, solo_b or solo_c"; exit 2 ;;
+  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, trainer_g8, g8_csrc, tests2, vtests, solo_a, solo_b or solo_c"; exit 2 ;;
 esac
 wait
 # the device returns a limited number of files: the folders travel as one archive

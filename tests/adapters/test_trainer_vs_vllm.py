@@ -18,6 +18,7 @@ import test_vllm_plugin as vp  # noqa: E402  (tests/adapters: engine and workloa
 
 from rl_engine.adapters.megatron import cpu_shim  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
+from tests.conftest import ENGINE_DEVICE  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
 
@@ -60,7 +61,8 @@ def _rollout(path, dtype, *, plugin):
 
 
 def _score(seqs, logprob_fn, mbs=5):
-    """Teacher-forced log-probs of each sequence's sampled tokens, grouped by temperature."""
+    """Teacher-forced log-probs of each sequence's sampled tokens, grouped by temperature (the
+    trainer on the engine's device, :data:`ENGINE_DEVICE`)."""
     res = {}
     by_temp = {}
     for i, (_, _, _, t) in enumerate(seqs):
@@ -76,7 +78,8 @@ def _score(seqs, logprob_fn, mbs=5):
                 ids[r, : len(x)] = torch.tensor(x)
                 mask[r, : len(x)] = 1
             with torch.no_grad():
-                lp = logprob_fn(ids, mask, t if t > 0 else 1.0)
+                lp = logprob_fn(ids.to(ENGINE_DEVICE), mask.to(ENGINE_DEVICE), t if t > 0 else 1.0)
+                lp = lp.cpu()
             for r, i in enumerate(chunk):
                 start = len(seqs[i][0]) - 1
                 res[i] = lp[r, start : start + len(seqs[i][1])].float()
@@ -104,10 +107,11 @@ def test_trainers_equal_vllm_rollout(tmp_path, arch, dtype, tied, monkeypatch):
     from rl_engine.adapters import megatron as mga
 
     _megatron_ready()
-    meg = mga.from_pretrained(path, dtype=getattr(torch, dtype))
+    meg = mga.from_pretrained(path, dtype=getattr(torch, dtype), device=ENGINE_DEVICE)
     meg_lp = _score(seqs, lambda ids, m, t: mga.token_logprobs(meg, ids, t, attention_mask=m))
     assert _mismatches(seqs, meg_lp) == 0, "Megatron trainer != vLLM rollout"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    hf.to(ENGINE_DEVICE)
     hfa.patch_model(hf)
     hf_lp = _score(seqs, lambda ids, m, t: hfa.token_logprobs(hf, ids, t, attention_mask=m))
     assert _mismatches(seqs, hf_lp) == 0, "HF trainer != vLLM rollout"
@@ -123,7 +127,7 @@ def test_stock_trainers_mismatch_stock_vllm(tmp_path, monkeypatch):
     from rl_engine.adapters import megatron as mga
 
     _megatron_ready()
-    meg = mga.stock_from_pretrained(path, dtype=torch.bfloat16)
+    meg = mga.stock_from_pretrained(path, dtype=torch.bfloat16)  # CUDA when available
 
     def meg_stock(ids, m, t):
         logits = meg(ids, None, None)
@@ -132,6 +136,7 @@ def test_stock_trainers_mismatch_stock_vllm(tmp_path, monkeypatch):
         ]
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf.to(ENGINE_DEVICE)
 
     def hf_stock(ids, m, t):
         logits = hf(input_ids=ids, attention_mask=m).logits
@@ -160,10 +165,11 @@ def test_tp_invariant_reduction_rollout_equals_trainers(tmp_path, monkeypatch):
     try:
         seqs = _rollout(path, "float32", plugin=True)
         _megatron_ready()
-        meg = mga.from_pretrained(path, dtype=torch.float32)
+        meg = mga.from_pretrained(path, dtype=torch.float32, device=ENGINE_DEVICE)
         meg_lp = _score(seqs, lambda ids, m, t: mga.token_logprobs(meg, ids, t, attention_mask=m))
         assert _mismatches(seqs, meg_lp) == 0, "Megatron trainer != vLLM rollout (TP groups)"
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf.to(ENGINE_DEVICE)
         hfa.patch_model(hf)
         hf_lp = _score(seqs, lambda ids, m, t: hfa.token_logprobs(hf, ids, t, attention_mask=m))
         assert _mismatches(seqs, hf_lp) == 0, "HF trainer != vLLM rollout (TP groups)"

@@ -29,7 +29,7 @@ vllm = pytest.importorskip("vllm")
 import test_vllm_plugin as vp  # noqa: E402  (tests/adapters: engine and workload helpers)
 
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
-from tests.conftest import vllm_env_fixture  # noqa: E402
+from tests.conftest import ENGINE_DEVICE, vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -64,11 +64,13 @@ def _model(tmp_path_factory, arch: str) -> str:
 
 # ------------------------------------------------------------------------------ teacher forcing
 def _trainer(path: str):
-    """The HF trainer: transformers' model patched by ``rl_engine.adapters.hf``."""
+    """The HF trainer: transformers' model patched by ``rl_engine.adapters.hf``, on the engine's
+    device."""
     transformers = pytest.importorskip("transformers")
     from rl_engine.adapters import hf as hfa
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.to(ENGINE_DEVICE)
     hfa.patch_model(model)
     return model
 
@@ -97,9 +99,9 @@ def _mismatches(path, workload, runs) -> tuple[int, int, list[str]]:
     with torch.no_grad():
         for temp, group in seqs.items():
             keys = list(group)
-            flat = torch.tensor([t for k in keys for t in k])
-            cu = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
-            lp = hfa.token_logprobs(model, flat, temp, cu_seqlens=cu)
+            flat = torch.tensor([t for k in keys for t in k], device=ENGINE_DEVICE)
+            cu = torch.tensor([0] + [len(k) for k in keys], device=ENGINE_DEVICE).cumsum(0)
+            lp = hfa.token_logprobs(model, flat, temp, cu_seqlens=cu).cpu()
             for k, a, b in zip(keys, cu[:-1].tolist(), cu[1:].tolist()):
                 group[k] = lp[a : b - 1]  # log-probs of tokens 1 .. len-1 of the sequence
     total, bad, where = 0, 0, []

@@ -31,7 +31,7 @@ vllm = pytest.importorskip("vllm")
 from rl_engine import KernelRegistry, config  # noqa: E402
 from rl_engine.engines import small_kv_cache_args  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
-from tests.conftest import vllm_env_fixture  # noqa: E402
+from tests.conftest import ENGINE_DEVICE, vllm_env_fixture  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -161,7 +161,10 @@ def _reference_logits(path: str, seqs: list[list[int]]) -> list[torch.Tensor]:
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    w = load_file(os.path.join(path, "model.safetensors"))
+    w = {
+        k: v.to(ENGINE_DEVICE)
+        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+    }
     h_, nh, nkv, d = (
         cfg["hidden_size"],
         cfg["num_attention_heads"],
@@ -177,9 +180,10 @@ def _reference_logits(path: str, seqs: list[list[int]]) -> list[torch.Tensor]:
         b = w.get(name + ".bias") if bias else None
         return det_gemm(x, w[name + ".weight"].t(), b)
 
-    ids = torch.tensor([t for s in seqs for t in s])
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+    dev = ENGINE_DEVICE
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
+    pos = torch.cat([torch.arange(len(s), device=dev) for s in seqs])
+    cu = torch.tensor([0] + [len(s) for s in seqs], device=dev).cumsum(0).to(torch.int32)
     t_ = ids.shape[0]
     hidden = w["model.embed_tokens.weight"][ids]
     residual = None
@@ -233,8 +237,8 @@ def _mismatches(path, workload, runs) -> tuple[int, int, list[str]]:
             temp = temps[i] if temps[i] > 0 else 1.0
             rows = lg[len(prompts[i]) - 1 :]
             for j, d in enumerate(lps):
-                toks = torch.tensor(list(d))
-                ref = logp(rows[j : j + 1].expand(len(toks), -1), toks, temp)
+                toks = torch.tensor(list(d), device=lg.device)
+                ref = logp(rows[j : j + 1].expand(len(toks), -1), toks, temp).cpu()
                 got = torch.tensor(list(d.values()), dtype=torch.float32)
                 total += len(toks)
                 n = int((ref != got).sum())
@@ -488,12 +492,13 @@ def test_plugin_on_equals_hf_adapter(env, tmp_path_factory, arch, dtype, tied):
         _close(llm)
         adapter.remove()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.to(ENGINE_DEVICE)
     hf.patch_model(model)
     prompts, temps, _ = wl
     with torch.no_grad():
         for i, (tokens, lps) in run.items():
-            ids = torch.tensor([prompts[i] + tokens])
-            ref = hf.token_logprobs(model, ids, temps[i] if temps[i] > 0 else 1.0)[0]
+            ids = torch.tensor([prompts[i] + tokens], device=ENGINE_DEVICE)
+            ref = hf.token_logprobs(model, ids, temps[i] if temps[i] > 0 else 1.0)[0].cpu()
             ref = ref[len(prompts[i]) - 1 :]
             got = torch.tensor([d[t] for d, t in zip(lps, tokens)], dtype=torch.float32)
             assert torch.equal(ref, got), f"seq {i}: max |d| {(ref - got).abs().max().item()}"

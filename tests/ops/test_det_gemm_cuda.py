@@ -141,6 +141,12 @@ def test_cuda_config_wave_model():
     wave, `large` where its grid fills the waves."""
     get = gemm_config.get_cuda_config
     assert [get(m, 4096, 4096) for m in (1, 64, 65, 256)] == ["small", "small", "mid", "mid"]
+    # decode over a wide N: `mid` where N has a `mid` tile (128 columns) per SM
+    assert [get(1, n, 4096, 132) for n in (6144, 16768, 16769, 28672, 151936)] == [
+        "small", "small", "mid", "mid", "mid"
+    ]  # fmt: skip
+    assert get(16, 28672, 4096, 264) == "small"  # 224 tiles: not a wave of 264 SMs
+    assert get(64, 151936, 4096, 132) == "mid" and get(65, 4096, 4096, 132) == "mid"
     # M 512 over N 4096: 64 large tiles on 132 SMs (half the machine idle) vs 128 square tiles
     assert get(512, 4096, 4096, 132) == "square"
     assert get(512, 4096, 14336, 132) == "square"  # K does not enter

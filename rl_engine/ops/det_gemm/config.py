@@ -288,12 +288,19 @@ def get_cuda_config(
             (:data:`CUDA_SQUARE_EFFICIENCY`; the fitting script passes others).
 
     Returns:
-        A name of :data:`CUDA_CONFIGS`: by M up to 256 rows (:data:`_CUDA_TABLE`), above that
+        A name of :data:`CUDA_CONFIGS`: by M up to 256 rows (:data:`_CUDA_TABLE`; up to 64
+        rows ``mid`` instead of ``small`` where N has at least one ``mid`` tile per SM), above that
         ``large`` or ``square``, whichever the wave model (:func:`cuda_wave_cost`) says is
         faster, ``large`` on a tie.
     """
     for m_max, name in _CUDA_TABLE:
         if m <= m_max:
+            if name == "small" and -(-n // CUDA_TILES["mid"][1]) >= sms:
+                # decode over a wide N (gate_up, an LM head): `mid` tiles already fill a wave
+                # and stream the weight with half the CTAs (H200, graph replay, M 1 / 16 / 64:
+                # gate_up 0.64 / 0.68 / 0.97x cuBLAS with `small`, 0.86 / 0.87 / 1.02x with
+                # `mid`; the 151,936 LM head 0.58 / 0.72 / 0.98x -> 0.91 / 0.98 / 1.04x)
+                return "mid"
             return name
     costs = {c: cuda_wave_cost(c, m, n, sms, square_efficiency) for c in ("large", "square")}
     return "square" if costs["square"] < costs["large"] else "large"
