@@ -36,7 +36,8 @@
 #                 every tile configuration vs cuBLAS and the fitted choice (carry build/csrc).
 #   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
 #                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
-#                 on GPU 1 (91% of each in 575 s on 2 x H200, 2026-11-28: more than one call).
+#                 on GPU 1 (91% of each in 575 s on 2 x H200, 2026-11-28: more than one call);
+#                 PART=1 then PART=2: the suite in quarters, two calls (PYTEST_WORKERS: 12).
 #   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
 #                 test_trainer_vs_vllm.py on GPU 1).
 #
@@ -147,15 +148,23 @@ case ${PHASE:-checks} in
       bash scripts/gpu_csrc.sh
     ;;
   tests2)
+    # the GPU suite in quarters (round robin over its files, so each mixes op and engine tests):
+    # PART=1 runs quarters 1 and 2, PART=2 quarters 3 and 4, one per GPU; unset: both halves at
+    # once (did not fit one call: 91% of each in 575 s on 2 x H200, 2026-11-28)
     install
-    files=$(ls tests/ops/test_*.py)
-    n=$(echo "$files" | wc -l)
-    half1=$(echo "$files" | head -n $((n / 2)))
-    half2=$(echo "$files" | tail -n $((n - n / 2)))
-    job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$(echo $half1) tests/invariance" \
+    all=$(ls tests/ops/test_*.py tests/invariance/test_*.py tests/adapters/test_*.py; echo tests/audit/test_drift_monitor.py)
+    quarter() { echo "$all" | awk -v q="$1" 'NR % 4 == q' | tr '\n' ' '; }
+    case ${PART:-} in
+      1) ta=$(quarter 1); tb=$(quarter 2) ;;
+      2) ta=$(quarter 3); tb=$(quarter 0) ;;
+      *) files=$(ls tests/ops/test_*.py)
+         n=$(echo "$files" | wc -l)
+         ta="$(echo "$files" | head -n $((n / 2)) | tr '\n' ' ') tests/invariance"
+         tb="$(echo "$files" | tail -n $((n - n / 2)) | tr '\n' ' ') tests/adapters tests/audit/test_drift_monitor.py" ;;
+    esac
+    job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$ta" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
       REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
-    job tests_b "$T" 1 env OUT="$OUT/b" \
-      TESTS="$(echo $half2) tests/adapters tests/audit/test_drift_monitor.py" \
+    job tests_b "$T" 1 env OUT="$OUT/b" TESTS="$tb" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
       REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     ;;
   vtests)
