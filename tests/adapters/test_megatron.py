@@ -14,15 +14,10 @@ import trainer_cases as tc  # noqa: E402
 from rl_engine.testing.invariance import assert_bitwise  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
-# This is the CPU suite (native providers, CPU tensors). On a CUDA machine the adapter puts the
-# model on the GPU, where tests/adapters/test_trainer_gpu.py covers the same cases with the
-# Triton providers.
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.skipif(
-        torch.cuda.is_available(), reason="CPU suite; CUDA runs tests/adapters/test_trainer_gpu.py"
-    ),
-]
+# This is the CPU suite (native providers, CPU tensors): on a CUDA machine too, with CUDA hidden
+# from the module (megatron_shim.module_fixture(force_cpu=True)); the same cases with the Triton
+# providers on the GPU: tests/adapters/test_trainer_gpu.py.
+pytestmark = pytest.mark.megatron
 
 # (arch, dtype, tied): every architecture, both dtypes, tied and untied embeddings.
 CASES = [
@@ -32,7 +27,7 @@ CASES = [
 ]
 
 
-_shim = megatron_shim.module_fixture()
+_shim = megatron_shim.module_fixture(force_cpu=True)
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,9 @@ import trainer_cases as tc  # noqa: E402
 from rl_engine import ops  # noqa: E402
 from rl_engine.testing.tiny_models import make_tiny_model  # noqa: E402
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite (native providers)"),
-]
+# the CPU suite (reference providers, CPU tensors), on a CUDA machine too: CUDA is hidden from
+# the module (megatron_shim.module_fixture(force_cpu=True))
+pytestmark = pytest.mark.megatron
 
 # (arch, dtype): every family; bf16 and fp32 (the EP check and the control use fp32, where a
 # tiny model's sums are not exact in any order)
@@ -41,7 +40,7 @@ IDS = [c[0] for c in CASES]
 TEMP = 0.7
 
 
-_shim = megatron_shim.module_fixture()
+_shim = megatron_shim.module_fixture(force_cpu=True)
 
 
 @pytest.fixture(scope="module")

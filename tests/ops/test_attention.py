@@ -281,31 +281,38 @@ def test_compile_matches_eager(case):
 
 @pytest.mark.parametrize("provider", ["native", "triton"])
 def test_opcheck(provider):
-    if provider == "triton" and not config.settings().triton_interpret:
-        pytest.skip("the triton provider runs on the CPU only under TRITON_INTERPRET=1")
+    """torch.library.opcheck of every attention custom op; the Triton provider on the GPU (or
+    in the interpreter on the CPU)."""
+    dev = "cuda" if provider == "triton" and HAS_CUDA else "cpu"
+    if provider == "triton":
+        skip_unless_runnable(dev, "triton", BackendUnavailableError)
+
+    def on(t):
+        return t.to(dev)
+
     g = torch.Generator().manual_seed(13)
-    q, k, v = (torch.randn(9, h, 16, generator=g) for h in (2, 1, 1))
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    q, k, v = (on(torch.randn(9, h, 16, generator=g)) for h in (2, 1, 1))
+    cu = on(torch.tensor([0, 4, 9], dtype=torch.int32))
     ops = torch.ops.rl_engine
     torch.library.opcheck(ops.attention.default, (q, k, v, cu, 0.25, True, provider))
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
     torch.library.opcheck(ops.attention.default, (qg, kg, vg, cu, 0.25, True, provider))
     out, lse = ops.attention.default(q, k, v, cu, 0.25, True, provider)
-    dout = torch.randn(q.shape, generator=g)
+    dout = on(torch.randn(q.shape, generator=g))
     torch.library.opcheck(
         ops.attention_bwd.default, (dout, q, k, v, out, lse, cu, 0.25, True, provider)
     )
-    kc = torch.randn(3, 16, 1, 16, generator=g)
-    vc = torch.randn(3, 16, 1, 16, generator=g)
-    bt = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
-    sl = torch.tensor([20, 3], dtype=torch.int32)
-    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    kc = on(torch.randn(3, 16, 1, 16, generator=g))
+    vc = on(torch.randn(3, 16, 1, 16, generator=g))
+    bt = on(torch.tensor([[2, 0], [1, 0]], dtype=torch.int32))
+    sl = on(torch.tensor([20, 3], dtype=torch.int32))
+    qsl = on(torch.tensor([0, 2, 3], dtype=torch.int32))
     torch.library.opcheck(ops.paged_attention.default, (q[:3], kc, vc, bt, sl, qsl, 0.25, provider))
     out = torch.zeros_like(q[:3])
     torch.library.opcheck(
         ops.paged_attention_out.default, (q[:3], kc, vc, bt, sl, qsl, 0.25, out, provider)
     )
-    slots = torch.tensor([3, -1, 40, 17], dtype=torch.int64)
+    slots = on(torch.tensor([3, -1, 40, 17], dtype=torch.int64))
     torch.library.opcheck(ops.write_kv_cache.default, (k[:4], v[:4], kc, vc, slots, provider))
 
 
@@ -461,8 +468,12 @@ def test_triton_unavailable_without_interpreter():
         attention(q, k, v, cu, backend="triton")
 
 
-def test_triton_unsupported_head_dim(triton_on_cpu):
-    q, k, v, cu = _inputs([5], 2, 1, 40, torch.float32, "cpu")
+def test_triton_unsupported_head_dim():
+    """The head-size check is the provider's, before any launch: on the GPU (or the
+    interpreter)."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    skip_unless_runnable(dev, "triton", BackendUnavailableError)
+    q, k, v, cu = _inputs([5], 2, 1, 40, torch.float32, dev)
     with pytest.raises(ValueError, match="head_dim 40 is not supported"):
         attention(q, k, v, cu, backend="triton")
 

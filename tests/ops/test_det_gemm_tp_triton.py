@@ -173,33 +173,34 @@ def _subtrees(world, m, n, seed=0):
     return [torch.randn(m, n, generator=g) * 4.0 ** (r - 3) for r in range(world)]
 
 
-def _local_ranks(world, max_bytes):
-    """``world`` :class:`OneShot` objects over CPU buffers of this process (the barriers off:
-    every rank's subtree is written before any combine runs)."""
+def _local_ranks(world, max_bytes, device="cpu"):
+    """``world`` :class:`OneShot` objects over buffers of this process on ``device`` (the
+    barriers off: every rank's subtree is written before any combine runs; on a GPU the "peers"
+    are buffers of the one device, addressed as the one-shot kernel addresses its peers)."""
     words = oneshot._FLAG_WORDS + max_bytes // 4
-    bufs = [torch.zeros(words, dtype=torch.int32) for _ in range(world)]
-    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    bufs = [torch.zeros(words, dtype=torch.int32, device=device) for _ in range(world)]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
     exs = [oneshot.OneShot(bufs[r], ptrs, r, world, max_bytes) for r in range(world)]
     for ex in exs:
         ex.sync = False
     return exs, bufs
 
 
-@pytest.mark.skipif(ON_GPU, reason="CPU buffers of one process: the interpreter only")
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("m", [8, 1, 300])  # 300 x 40: more elements than one program step
 def test_oneshot_combine_equals_exchange_bits(world, m):
     """The one-shot kernel's combine == ``finish(combine(subtrees), bias, dtype)`` (what the
     NCCL exchange computes) on every rank, whole result and (``rows``) the rank's block of
-    rows; fp32 (the unrounded tree) and fp16."""
+    rows; fp32 (the unrounded tree) and fp16. One process: the ranks' buffers side by side on
+    one device (the GPU, or the CPU in the interpreter)."""
     n = 40
-    subs = _subtrees(world, m, n, seed=world + m)
-    exs, _ = _local_ranks(world, 4 * m * n)
+    subs = [s.to(DEVICE) for s in _subtrees(world, m, n, seed=world + m)]
+    exs, _ = _local_ranks(world, 4 * m * n, DEVICE)
     for r, ex in enumerate(exs):
         ex.staging(m, n).copy_(subs[r])
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.float16):
-        bias = torch.randn(n, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype).to(DEVICE)
         want = tpm.finish(tpm.combine(subs), bias, dtype)
         for r, ex in enumerate(exs):
             assert torch.equal(ex(ex.staging(m, n), bias, dtype), want), f"{dtype} rank {r}"
@@ -212,17 +213,17 @@ def test_oneshot_combine_equals_exchange_bits(world, m):
         assert not torch.equal(sum(subs), tpm.combine(subs))
 
 
-@pytest.mark.skipif(ON_GPU, reason="CPU buffers of one process: the interpreter only")
 def test_oneshot_refuses_what_it_cannot_take():
-    exs, _ = _local_ranks(2, 4 * 8 * 8)
+    """Refused before any launch: the checks are the same on every device."""
+    exs, _ = _local_ranks(2, 4 * 8 * 8, DEVICE)
     ex = exs[0]
     assert ex.fits(8, 8) and not ex.fits(8, 9) and not ex.fits(0, 8)
     with pytest.raises(ValueError, match="at most"):
-        ex(torch.zeros(8, 9), None, torch.float32)
+        ex(torch.zeros(8, 9, device=DEVICE), None, torch.float32)
     with pytest.raises(ValueError, match="fp32"):
-        ex(torch.zeros(2, 2, dtype=torch.float16), None, torch.float16)
+        ex(torch.zeros(2, 2, dtype=torch.float16, device=DEVICE), None, torch.float16)
     with pytest.raises(ValueError, match="do not split"):
-        ex(torch.zeros(3, 8), None, torch.float32, rows=True)
+        ex(torch.zeros(3, 8, device=DEVICE), None, torch.float32, rows=True)
     with pytest.raises(ValueError, match="power of two"):
         oneshot.OneShot(torch.zeros(4096, dtype=torch.int32), torch.zeros(3), 0, 3, 64)
 

@@ -15,17 +15,17 @@ from rl_engine.ops.det_gemm.tp import Exchange, combine
 from rl_engine.ops.rms_norm import tp as norm_tp
 from tests.conftest import backend_fixture
 
-# CPU tensors only: the Triton provider runs on a GPU in the test_*triton*.py files
-backend = backend_fixture("rms_norm", device="cpu")
+# every invariant provider on its device (the Triton one on a GPU, or in the interpreter)
+backend = backend_fixture("rms_norm")
 
 
-def _data(m: int, h: int = 48, seed: int = 0):
+def _data(m: int, h: int = 48, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-3, 3, m).unsqueeze(1)
     x = torch.randn(m, h, generator=g) * scale
     grad = torch.randn(m, h, generator=g) * scale.flip(0)
     w = torch.randn(h, generator=g)
-    return x, grad, w
+    return x.to(device), grad.to(device), w.to(device)
 
 
 def _grads(x, grad, w, backend, fn=norm_tp.rms_norm_tp, **kw):
@@ -38,7 +38,7 @@ def _grads(x, grad, w, backend, fn=norm_tp.rms_norm_tp, **kw):
 @pytest.mark.parametrize("m", [64, 40, 8])
 @pytest.mark.parametrize("t", [2, 4, 8])
 def test_sequence_parallel_blocks_equal_tp1(t, m, backend):
-    x, grad, w = _data(m)
+    x, grad, w = _data(m, device=backend.device)
     dx1, dw1 = _grads(x, grad, w, backend)
     block = m // t
     rows = [slice(r * block, (r + 1) * block) for r in range(t)]
@@ -57,7 +57,7 @@ def test_sequence_parallel_blocks_equal_tp1(t, m, backend):
 
 
 def test_input_gradient_is_the_ops(backend):
-    x, grad, w = _data(40)
+    x, grad, w = _data(40, device=backend.device)
     dx, _ = _grads(x, grad, w, backend)
     x2 = x.clone().requires_grad_(True)
     ops.rms_norm(x2, w, 1e-6, backend=backend).backward(grad)
@@ -65,7 +65,8 @@ def test_input_gradient_is_the_ops(backend):
 
 
 def test_weight_gradient_is_the_pair_tree_of_the_groups(backend):
-    x, grad, w = _data(37)  # 8 groups of 5 rows, the last one 2 rows (zero padding invariant)
+    # 8 groups of 5 rows, the last one 2 rows (zero padding invariant)
+    x, grad, w = _data(37, device=backend.device)
     _, dw = _grads(x, grad, w, backend)
     parts = [norm_tp.row_group_wgrad(grad[i : i + 5], x[i : i + 5], 1e-6, 1, backend)
              for i in range(0, 40, 5)]  # fmt: skip
@@ -75,7 +76,7 @@ def test_weight_gradient_is_the_pair_tree_of_the_groups(backend):
 def test_megatrons_sum_of_rank_gradients_differs(backend):
     """The control: each rank's own (plain) weight gradient added up, as the finalize step's
     all-reduce does, is not the single-process gradient at TP 4."""
-    x, grad, w = _data(64)
+    x, grad, w = _data(64, device=backend.device)
     _, dw1 = _grads(x, grad, w, backend)
     plain = torch.zeros_like(w)
     for r in range(4):
@@ -107,6 +108,7 @@ def test_head_blocks_equal_tp1(t, backend):
     x = torch.randn(12, 8, 16, generator=g) * scale  # [tokens, heads, D]
     grad = torch.randn(12, 8, 16, generator=g) * scale.flip(0)
     w = torch.randn(16, generator=g)
+    x, grad, w = (v.to(backend.device) for v in (x, grad, w))
     _, dw1 = _grads(x, grad, w, backend, fn=norm_tp.rms_norm_heads_tp)
     n = 8 // t
     blocks = [slice(r * n, (r + 1) * n) for r in range(t)]
