@@ -37,7 +37,8 @@
 #   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
 #                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
 #                 on GPU 1 (91% of each in 575 s on 2 x H200, 2026-11-28: more than one call);
-#                 PART=1 then PART=2: the suite in quarters, two calls (PYTEST_WORKERS: 12).
+#                 PART=1 then PART=2: the suite in quarters, two calls (PYTEST_WORKERS: 12);
+#                 carry build/csrc too, or the CUDA C++ GPU tests skip.
 #   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
 #                 test_trainer_vs_vllm.py on GPU 1).
 #
