@@ -415,6 +415,37 @@ def test_split_invalid_raises(monkeypatch, captured_launches):
     assert captured_launches == []  # nothing launched, no fallback to another S
 
 
+@pytest.mark.skipif(gemm_cuda._load()[0] is None, reason="librl_engine_sm90.so not built")
+def test_library_split_k_argument_checks():
+    """The built library (no GPU needed: every call fails its checks before touching CUDA)
+    refuses split-K arguments it cannot run, with the reason."""
+    import ctypes
+
+    lib = gemm_cuda._lib()
+    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 2
+    args = gemm_cuda._Args(4, 8, 64, None, 64, None, 64, None, None, 8, None, -1, None)
+
+    def batched(product, batch, sa, sb, sd):
+        rc = lib.rle_det_gemm_sm90_batched(0, product, 2, batch, sa, sb, sd, ctypes.byref(args))
+        return rc, lib.rle_last_error().decode()
+
+    rc, msg = batched(0, 2, 30, 32, 64)  # A's batch stride not 16 bytes
+    assert rc == -1 and "multiples of 8 elements" in msg
+    rc, msg = batched(0, 2, 32, 32, 16)  # D batches overlap (m * ldd = 32)
+    assert rc == -1 and ">= m * ldd = 32" in msg
+    rc, msg = batched(2, 2, 32, 32, 32)  # the weight gradient is never split
+    assert rc == -1 and "RLE_NT (0) or RLE_NN (1)" in msg
+    rc, msg = batched(0, 0, 32, 32, 32)
+    assert rc == -1 and "batch must be in [1, 2^31)" in msg
+    args.bias = 16
+    rc, msg = batched(0, 2, 32, 32, 32)
+    assert rc == -1 and "takes no bias" in msg
+    rc = lib.rle_splitk_reduce(0, 4, 8, 2, None, 8, 8, None, None, 8, None)
+    assert rc == -1 and "stride_p >= m * ldp" in lib.rle_last_error().decode()
+    rc = lib.rle_splitk_reduce(2, 4, 8, 2, None, 8, 32, None, None, 8, None)
+    assert rc == -1 and "bf16 (0) or fp16 (1)" in lib.rle_last_error().decode()
+
+
 def test_cuda_config_with_splits():
     """The tile choice counts the slices' tiles (launch shape only, no numerics): decode over
     N 4096 keeps `small` while small x S fills no more than a wave of `mid` tiles."""
