@@ -26,7 +26,9 @@ fi
 mkdir -p "$OUT_DIR/obj"
 FLAGS=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC
   --expt-relaxed-constexpr -DNDEBUG -diag-suppress 20012 -I csrc/det_gemm -I "$CUTLASS_DIR/include")
-SOURCES=(csrc/det_gemm/api.cu csrc/det_gemm/gemm_bf16.cu csrc/det_gemm/gemm_fp16.cu)
+# the CUTLASS units (minutes each) before api.cu (seconds): with JOBS < 5 the long ones start first
+SOURCES=(csrc/det_gemm/gemm_bf16.cu csrc/det_gemm/gemm_fp16.cu csrc/det_gemm/gemm_bf16_slices.cu
+  csrc/det_gemm/gemm_fp16_slices.cu csrc/det_gemm/api.cu)
 echo "build_csrc: $("$NVCC" --version | tail -1)"
 echo "build_csrc: CUTLASS $(grep -m3 -E 'define CUTLASS_(MAJOR|MINOR|PATCH) ' \
   "$CUTLASS_DIR/include/cutlass/version.h" | awk '{print $3}' | paste -sd.)"

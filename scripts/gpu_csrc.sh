@@ -7,6 +7,8 @@
 #   BENCH_ARGS="--quick" / "--triton" / "--configs"   shorter benchmark / also time the Triton
 #                                       provider / every tile configuration (then the choice
 #                                       fitted from them: fit.log, cuda_config_fit.json)
+#   BENCH_ARGS="--split-k 2,4,8"        also time those split-K counts (forced; the table is
+#                                       off) on the rows with M <= 256 (--split-k-max-m)
 #   SKIP_TESTS=1 / SKIP_BENCH=1         one half only
 #   RL_ENGINE_CSRC_LIB=/path/lib.so     another library (default: build/csrc/ of this checkout)
 # The checkout goes first on PYTHONPATH (an installed copy, e.g. /tmp/site, stays after it).

@@ -11,6 +11,12 @@
 // raster order are launch choices: they never change which products go into acc or in which
 // order, so an element depends on row i of A, column j of B and K only (row / batch and column
 // invariance). The GPU tests prove every shipped config bitwise equal.
+//
+// Split-K (rle_det_gemm_sm90_batched + rle_splitk_reduce; used only where the caller's split
+// table says S > 1, and none does yet): the same kernels run as a batched product over S
+// contiguous K slices (batch l reads A and B from slice l's first column, K = the slice), each
+// slice accumulated exactly as above from its own first column, fp32 out without rounding; the
+// reduction kernel then adds the S partials in slice order, adds the bias, rounds once.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +32,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
+#include "det_gemm_internal.h"
 #include "det_gemm_sm90.h"
 
 namespace rle {
@@ -100,13 +107,22 @@ S ld_stride(int64_t ld) {
   return s;
 }
 
-void set_error(const char* fmt, ...);
-int sm_count(int device);
+// ld_stride with batch stride `batch` (elements) instead of 0: batch l of the operand starts
+// `l * batch` elements after the first.
+template <class S>
+S batch_stride(int64_t ld, int64_t batch) {
+  S s = ld_stride<S>(ld);
+  static_assert(!is_static_v<std::remove_cv_t<std::remove_reference_t<decltype(get<2>(s))>>>,
+                "a batched operand needs a dynamic batch stride");
+  get<2>(s) = batch;
+  return s;
+}
 
-// Runs one GEMM of the definition `Def` (see det_gemm_sm90.h for the argument meaning).
+// Runs one GEMM of the definition `Def` (see det_gemm_sm90.h for the argument meaning), or
+// `bt.count` of them in one batched launch.
 // ws == nullptr with ws_bytes < 0: returns the workspace size in bytes instead of running.
 template <class Def>
-int64_t run_gemm(const rle_gemm_args* p) {
+int64_t run_gemm(const rle_gemm_args* p, const Batch& bt = Batch{}) {
   using Gemm = typename Def::Gemm;
   using Kernel = typename Def::Kernel;
   using ElemIn = typename Kernel::ElementA;
@@ -130,6 +146,14 @@ int64_t run_gemm(const rle_gemm_args* p) {
        static_cast<ElemD*>(p->d),
        ld_stride<typename Kernel::StrideD>(p->ldd)},
       hw};
+  if (bt.count != 1) {
+    args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
+    get<3>(args.problem_shape) = static_cast<int>(bt.count);
+    args.mainloop.dA = batch_stride<typename Kernel::StrideA>(p->lda, bt.a);
+    args.mainloop.dB = batch_stride<typename Kernel::StrideB>(p->ldb, bt.b);
+    args.epilogue.dC = batch_stride<typename Kernel::StrideC>(p->ldd, bt.d);
+    args.epilogue.dD = batch_stride<typename Kernel::StrideD>(p->ldd, bt.d);
+  }
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   if constexpr (Def::kBias) {
@@ -190,9 +214,35 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
   return -1;
 }
 
+// The K slices of split-K: product `LayoutB` (ColMajor: RLE_NT, RowMajor: RLE_NN) with fp32
+// output and no bias, batched over the slices, at the launch config `cfg` (every RLE_CFG_*).
+template <class E, class LayoutB>
+int64_t run_slices_cfg(const rle_gemm_args* p, int cfg, const Batch& bt) {
+  switch (cfg) {
+    case RLE_CFG_LARGE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLarge>>(p, bt);
+    case RLE_CFG_MID: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMid>>(p, bt);
+    case RLE_CFG_SMALL: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmall>>(p, bt);
+    case RLE_CFG_SQUARE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSquare>>(p, bt);
+  }
+  set_error("unknown config %d", cfg);
+  return -1;
+}
+
+// Defines gemm_<NAME>_nt_slices and _nn_slices (rle_det_gemm_sm90_batched's products) for the
+// element type ELEM: gemm_bf16_slices.cu and gemm_fp16_slices.cu (their own translation units,
+// built in parallel with the plain products).
+#define RLE_DEFINE_SLICE_PRODUCTS(NAME, ELEM)                                            \
+  int64_t gemm_##NAME##_nt_slices(const rle_gemm_args* p, int cfg, const Batch& bt) {   \
+    return run_slices_cfg<ELEM, ColMajor>(p, cfg, bt);                                   \
+  }                                                                                      \
+  int64_t gemm_##NAME##_nn_slices(const rle_gemm_args* p, int cfg, const Batch& bt) {   \
+    return run_slices_cfg<ELEM, RowMajor>(p, cfg, bt);                                   \
+  }
+
 // Defines gemm_<NAME>_nt, _nn and _wgrad (the products RLE_NT, RLE_NN, RLE_WGRAD of
-// det_gemm_sm90.h, declared below) for the element type ELEM. gemm_bf16.cu and gemm_fp16.cu hold
-// one each: one translation unit per element type, so that the two build in parallel.
+// det_gemm_sm90.h, declared in det_gemm_internal.h) for the element type ELEM. gemm_bf16.cu and
+// gemm_fp16.cu hold one each: one translation unit per element type, so that the two build in
+// parallel.
 #define RLE_DEFINE_PRODUCTS(NAME, ELEM)                                  \
   int64_t gemm_##NAME##_nt(const rle_gemm_args* p, int cfg) {            \
     return run_gemm_cfg<ELEM, RowMajor, ColMajor, ELEM, true>(p, cfg);   \
@@ -203,14 +253,5 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
   int64_t gemm_##NAME##_wgrad(const rle_gemm_args* p, int cfg) {         \
     return run_gemm_cfg<ELEM, ColMajor, RowMajor, float, false>(p, cfg); \
   }
-
-#define RLE_DECLARE(NAME) int64_t NAME(const rle_gemm_args* p, int cfg);
-RLE_DECLARE(gemm_bf16_nt)
-RLE_DECLARE(gemm_bf16_nn)
-RLE_DECLARE(gemm_bf16_wgrad)
-RLE_DECLARE(gemm_fp16_nt)
-RLE_DECLARE(gemm_fp16_nn)
-RLE_DECLARE(gemm_fp16_wgrad)
-#undef RLE_DECLARE
 
 }  // namespace rle

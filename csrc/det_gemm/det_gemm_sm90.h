@@ -10,7 +10,7 @@
 extern "C" {
 #endif
 
-#define RLE_ABI_VERSION 1
+#define RLE_ABI_VERSION 2  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce
 
 // dtype of the inputs
 #define RLE_BF16 0
@@ -51,6 +51,24 @@ int64_t rle_det_gemm_sm90(int dtype, int product, int cfg, const rle_gemm_args* 
 // fp32 products (CUDA cores, IEEE fp32 FMA, k in order from 0): D[i, j] = sum_k A[i, k] B[k, j]
 // (+ bias[j]), any strides: A[i, k] = a[i * sam + k * sak], B[k, j] = b[k * sbk + j * sbn],
 // D[i, j] = d[i * sdm + j * sdn] (fp32).
+// Batched 16-bit product with fp32 output and no bias (the K slices of split-K): for
+// l = 0 .. batch-1, D_l = A_l @ B_l with A_l = a + l * stride_a, B_l = b + l * stride_b (elements
+// of the input dtype) and D_l = d + l * stride_d (fp32 elements), each an ordinary product of
+// rle_det_gemm_sm90's numerics (one fp32 accumulator walking its own K = args->k from its first
+// column in 64-blocks), written in fp32 without rounding. One launch: the persistent grid runs
+// the tiles of every batch. product: RLE_NT or RLE_NN; cfg: RLE_CFG_*; args->bias must be NULL;
+// args->d is fp32 with leading dimension args->ldd. Strides: 16-byte multiples, stride_d >=
+// m * ldd (batches do not overlap). workspace_bytes < 0: returns the workspace size.
+int64_t rle_det_gemm_sm90_batched(int dtype, int product, int cfg, int64_t batch,
+                                  int64_t stride_a, int64_t stride_b, int64_t stride_d,
+                                  const rle_gemm_args* args);
+// The split-K reduction: d[i, j] = round(((p_0 + p_1) + ... + p_{S-1}) + bias[j]) with
+// p_s = partials[s * stride_p + i * ldp + j] (fp32), added in the order s = 0, 1, ..., S-1 in
+// fp32 (IEEE round to nearest, no FMA), bias (dtype, or NULL: nothing added) added last, one
+// rounding to dtype (RLE_BF16 / RLE_FP16, round to nearest even). d has leading dimension ldd.
+int rle_splitk_reduce(int dtype, int64_t m, int64_t n, int64_t splits, const float* partials,
+                      int64_t ldp, int64_t stride_p, const void* bias, void* d, int64_t ldd,
+                      void* stream);
 int rle_det_gemm_fp32(int64_t m, int64_t n, int64_t k, const float* a, int64_t sam, int64_t sak,
                       const float* b, int64_t sbk, int64_t sbn, const float* bias, float* d,
                       int64_t sdm, int64_t sdn, void* stream);

@@ -1,9 +1,11 @@
 """det_gemm's ``cuda`` provider (family ``det_gemm/cuda-sm90``).
 
-CPU (CI): the provider's refusal reasons, its opt-in resolution, the build script. GPU (an SM90
-device with ``librl_engine_sm90.so`` built, ``scripts/gpu_csrc.sh``): numerics vs float64,
-bitwise row invariance over M = 1..8192, every tile config equal, column invariance,
-determinism, backward, CUDA graphs, fused == unfused.
+CPU (CI): the provider's refusal reasons, its opt-in resolution, the build script, the launch
+arguments (captured, nothing runs) of the plain and the split-K products, the split table (off).
+GPU (an SM90 device with ``librl_engine_sm90.so`` built, ``scripts/gpu_csrc.sh``): numerics vs
+float64, bitwise row invariance over M = 1..8192, every tile config equal, column invariance,
+determinism, backward, CUDA graphs, fused == unfused; split-K (forced S, switched off in the
+table): row invariance, the partials vs a sliced reference, the reduction order bitwise.
 """
 
 from __future__ import annotations
@@ -171,8 +173,11 @@ def test_build_script_present():
     assert script.is_file() and os.access(script, os.X_OK)
     text = script.read_text()
     assert "CUTLASS_DIR" in text and "sm_90a" in text and gemm_cuda.LIB_NAME in text
-    for name in ("api.cu", "gemm_bf16.cu", "gemm_fp16.cu", "det_gemm_sm90.h"):
+    for name in ("api.cu", "gemm_bf16.cu", "gemm_fp16.cu", "gemm_bf16_slices.cu",
+                 "gemm_fp16_slices.cu", "det_gemm_sm90.h", "det_gemm_internal.h"):  # fmt: skip
         assert (ROOT / "csrc" / "det_gemm" / name).is_file(), name
+        if name.endswith(".cu"):
+            assert f"csrc/det_gemm/{name}" in text, f"{name} is not built"
     assert (ROOT / "scripts" / "gpu_csrc.sh").is_file()
 
 
@@ -198,10 +203,24 @@ def captured_launches(monkeypatch):
     calls = []
 
     def fake_run16(product, cfg, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k, like):
-        calls.append(dict(product=product, cfg=cfg, lda=lda, ldb=ldb, ldd=ldd, m=m, n=n, k=k,
-                          a16=a_ptr % 16 == 0, b16=b_ptr % 16 == 0, bias=bias))  # fmt: skip
+        calls.append(dict(kind="gemm", product=product, cfg=cfg, lda=lda, ldb=ldb, ldd=ldd, m=m,
+                          n=n, k=k, a16=a_ptr % 16 == 0, b16=b_ptr % 16 == 0, bias=bias))  # fmt: skip
+
+    def fake_slices(product, cfg, a_ptr, lda, stride_a, b_ptr, ldb, stride_b, partials, m, n, k,
+                    like):  # fmt: skip
+        calls.append(dict(kind="slices", product=product, cfg=cfg, a_ptr=a_ptr, lda=lda,
+                          stride_a=stride_a, b_ptr=b_ptr, ldb=ldb, stride_b=stride_b, m=m, n=n,
+                          k=k, p_ptr=partials.data_ptr(), p_shape=tuple(partials.shape),
+                          p_stride=partials.stride(), p_dtype=partials.dtype))  # fmt: skip
+
+    def fake_reduce(partials, bias, out, like):
+        calls.append(dict(kind="reduce", p_ptr=partials.data_ptr(), p_shape=tuple(partials.shape),
+                          p_stride=partials.stride(), bias=bias, out_ptr=out.data_ptr(),
+                          out_shape=tuple(out.shape), ldd=out.stride(0), dtype=like.dtype))  # fmt: skip
 
     monkeypatch.setattr(gemm_cuda, "_run16", fake_run16)
+    monkeypatch.setattr(gemm_cuda, "_run_slices", fake_slices)
+    monkeypatch.setattr(gemm_cuda, "_run_reduce", fake_reduce)
     monkeypatch.setattr(gemm_cuda, "_check_cuda", lambda *t: None)
     monkeypatch.setattr(gemm_cuda, "_device_guard", lambda t: gemm_cuda._NO_GUARD)
     monkeypatch.setattr(gemm_cuda, "_sm_count", lambda t: gemm_config.DEFAULT_SM_COUNT)
@@ -244,6 +263,201 @@ def test_wgrad_launch_layouts(captured_launches):
     c = captured_launches[-1]
     assert out.shape == (20, 32) and out.dtype == torch.float32
     assert (c["product"], c["m"], c["n"], c["k"], c["lda"], c["ldb"]) == (2, 24, 32, 100, 24, 32)
+
+
+# --------------------------------------------------------------------------- CPU: split-K
+
+
+def test_split_table_is_off():
+    """Landed switched off: S = 1 for every product, so the family's bits and version are
+    today's (a table entry > 1 is a new family version)."""
+    assert gemm_config.CUDA_SPLIT_K == {}
+    for n in (8, 24, 512, 1024, 4096, 6144, 14336, 28672, 151936):
+        for k in (8, 64, 1000, 4096, 14336, 28672):
+            assert gemm_config.get_cuda_split_k(n, k) == 1, (n, k)
+    assert gemm_cuda.PROVIDER.numerics == "det_gemm/cuda-sm90"
+    assert gemm_cuda.PROVIDER.version == "1"
+    # the config choice with splits=1 is the unsplit one
+    get = gemm_config.get_cuda_config
+    for m in (1, 16, 64, 65, 256, 512, 1024, 8192):
+        for n in (4096, 6144, 28672, 151936):
+            assert get(m, n, 4096, 132, splits=1) == get(m, n, 4096, 132), (m, n)
+
+
+def test_split_default_takes_the_plain_path(captured_launches):
+    bf = torch.bfloat16
+    w = torch.randn(48, 1024).to(bf)
+    for m in (1, 5, 300):
+        gemm_cuda.det_gemm(torch.randn(m, 1024).to(bf), w.t(), torch.randn(48).to(bf))
+        gemm_cuda.det_gemm(torch.randn(m, 48).to(bf), w)  # the input-gradient product
+    assert [c["kind"] for c in captured_launches] == ["gemm"] * 6
+    gemm_cuda.det_gemm_with_config(torch.randn(5, 1024).to(bf), w.t(), None, None, split_k=1)
+    assert captured_launches[-1]["kind"] == "gemm" and len(captured_launches) == 7
+
+
+def test_split_slices():
+    sl = gemm_config.cuda_split_k_slices
+    assert sl(14336, 4) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
+    assert sl(4096, 8) == [(i * 512, (i + 1) * 512) for i in range(8)]
+    assert sl(4608, 3) == [(0, 1536), (1536, 3072), (3072, 4608)]
+    assert sl(1000, 1) == [(0, 1000)]  # S = 1: the unsplit product, any K
+    for k, s in ((14336, 2), (14336, 8), (4096, 2), (192, 3), (128, 2)):
+        slices = sl(k, s)
+        assert slices[0][0] == 0 and slices[-1][1] == k and len(slices) == s
+        assert all(a % 64 == 0 and b - a == k // s for a, b in slices)
+        assert all(slices[i][1] == slices[i + 1][0] for i in range(s - 1))
+
+
+def test_split_launch_arguments(captured_launches):
+    """S > 1: one batched launch of the K slices (slice s of A at s * K/S elements, of B at
+    s * K/S elements (K-contiguous) or rows (N-contiguous)), fp32 partials [S, M, N], then one
+    reduction of those partials with the bias into the output."""
+    bf = torch.bfloat16
+    a = torch.randn(5, 1024).to(bf)
+    w = torch.randn(24, 1024).to(bf)
+    bias = torch.randn(24).to(bf)
+    out = gemm_cuda.det_gemm_with_config(a, w.t(), bias, None, split_k=4)
+    assert out.shape == (5, 24) and out.dtype == bf
+    sl, red = captured_launches
+    assert sl["kind"] == "slices" and red["kind"] == "reduce"
+    assert (sl["product"], sl["m"], sl["n"], sl["k"]) == (0, 5, 24, 256)
+    assert (sl["lda"], sl["stride_a"], sl["ldb"], sl["stride_b"]) == (1024, 256, 1024, 256)
+    assert sl["a_ptr"] == a.data_ptr() and sl["b_ptr"] == w.data_ptr()  # no copies
+    assert sl["p_shape"] == (4, 5, 24) and sl["p_stride"] == (120, 24, 1)
+    assert sl["p_dtype"] == torch.float32
+    assert sl["cfg"] == gemm_config.get_cuda_config(5, 24, 1024, 132, splits=4)
+    assert red["p_ptr"] == sl["p_ptr"] and red["p_shape"] == (4, 5, 24)
+    assert red["bias"] == bias.data_ptr() and red["out_shape"] == (5, 24) and red["ldd"] == 24
+    assert red["dtype"] == bf
+    # the input-gradient product (b N-contiguous, "NN"): slice s at s * K/S rows of B
+    g = torch.randn(7, 1024).to(bf)
+    w2 = torch.randn(1024, 48).to(bf)
+    gemm_cuda.det_gemm_with_config(g, w2, None, "mid", split_k=8)
+    sl, red = captured_launches[-2:]
+    assert (sl["product"], sl["cfg"], sl["k"], sl["ldb"], sl["stride_b"]) == (1, "mid", 128, 48,
+                                                                             128 * 48)  # fmt: skip
+    assert (sl["stride_a"], sl["p_shape"]) == (128, (8, 7, 48)) and red["bias"] is None
+    # N not a multiple of 8: padded to 32 (NT copies, as the unsplit product), cut after
+    out = gemm_cuda.det_gemm_with_config(
+        torch.randn(3, 384).to(bf), torch.randn(384, 30).to(bf), torch.zeros(30, dtype=bf),
+        None, split_k=3,
+    )  # fmt: skip
+    sl, red = captured_launches[-2:]
+    assert out.shape == (3, 30)
+    assert (sl["product"], sl["n"], sl["k"], sl["ldb"], sl["stride_b"]) == (0, 32, 128, 384, 128)
+    assert sl["p_shape"] == (3, 3, 32) and red["out_shape"] == (3, 32)
+
+
+def test_split_follows_the_table(monkeypatch, captured_launches):
+    """With a table entry, det_gemm (forward and the input-gradient product through the same
+    function) splits without being asked; the entry is per (N, K), whatever M."""
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K", {(48, 1024): 2})
+    bf = torch.bfloat16
+    w = torch.randn(48, 1024).to(bf)
+    for m in (1, 64, 1000):
+        gemm_cuda.det_gemm(torch.randn(m, 1024).to(bf), w.t())
+        sl, red = captured_launches[-2:]
+        assert (sl["kind"], sl["m"], sl["k"], sl["p_shape"]) == ("slices", m, 512, (2, m, 48))
+        assert red["kind"] == "reduce"
+    gemm_cuda.det_gemm(torch.randn(5, 48).to(bf), w)  # (N, K) = (1024, 48): no entry
+    assert captured_launches[-1]["kind"] == "gemm"
+
+
+def test_split_rows_in_chunks(monkeypatch, captured_launches):
+    """Partials over CUDA_SPLIT_K_MAX_WORKSPACE: the rows run in chunks (same bits: rows are
+    independent), each a slice launch and a reduction into its rows of the output."""
+    bf = torch.bfloat16
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K_MAX_WORKSPACE", 2 * 24 * 4 * 2)  # 2 rows
+    a = torch.randn(5, 256).to(bf)
+    out = gemm_cuda.det_gemm_with_config(a, torch.randn(24, 256).to(bf).t(), None, None,
+                                         split_k=2)  # fmt: skip
+    kinds = [c["kind"] for c in captured_launches]
+    assert kinds == ["slices", "reduce"] * 3
+    sls, reds = captured_launches[0::2], captured_launches[1::2]
+    assert [c["m"] for c in sls] == [2, 2, 1]
+    assert [c["a_ptr"] - a.data_ptr() for c in sls] == [0, 2 * 256 * 2, 4 * 256 * 2]
+    assert [c["out_ptr"] - out.data_ptr() for c in reds] == [0, 2 * 24 * 2, 4 * 24 * 2]
+    assert {c["p_ptr"] for c in sls} == {reds[0]["p_ptr"]}  # one buffer, reused in order
+    assert [c["p_shape"] for c in reds] == [(2, 2, 24), (2, 2, 24), (2, 1, 24)]
+    assert all(c["p_stride"][0] == 2 * 24 for c in reds)
+    # many rows per chunk: a multiple of the 128-row tile
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K_MAX_WORKSPACE", 2 * 24 * 4 * 300)
+    captured_launches.clear()
+    gemm_cuda.det_gemm_with_config(torch.randn(1000, 256).to(bf),
+                                   torch.randn(24, 256).to(bf).t(), None, None, split_k=2)  # fmt: skip
+    assert [c["m"] for c in captured_launches if c["kind"] == "slices"] == [256] * 3 + [232]
+
+
+def test_split_invalid_raises(monkeypatch, captured_launches):
+    bf = torch.bfloat16
+    a = torch.randn(4, 1024).to(bf)
+    b = torch.randn(24, 1024).to(bf).t()
+    run = gemm_cuda.det_gemm_with_config
+    for s in (0, -1):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            run(a, b, None, None, split_k=s)
+    for s in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="must be an int"):
+            run(a, b, None, None, split_k=s)
+    with pytest.raises(ValueError, match="K=1000 does not cut into 2 slices.*multiple of 128"):
+        run(torch.randn(4, 1000).to(bf), torch.randn(1000, 24).to(bf), None, None, split_k=2)
+    with pytest.raises(ValueError, match="K=192 does not cut into 2 slices"):  # slices of 96
+        run(torch.randn(4, 192).to(bf), torch.randn(192, 24).to(bf), None, None, split_k=2)
+    with pytest.raises(ValueError, match="multiple of 64 columns"):
+        run(a, b, None, None, split_k=32)  # slices of 32 columns
+    with pytest.raises(ValueError, match="split-K is for bf16 / fp16"):
+        run(a.float(), b.float(), None, None, split_k=2)
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K_MAX_WORKSPACE", 2 * 24 * 4 - 1)
+    with pytest.raises(ValueError, match="workspace too large"):
+        run(a, b, None, None, split_k=2)
+    with pytest.raises(ValueError, match="needs S >= 2"):
+        gemm_cuda.det_gemm_split_partials(a, b, 1)
+    assert captured_launches == []  # nothing launched, no fallback to another S
+
+
+@pytest.mark.skipif(gemm_cuda._load()[0] is None, reason="librl_engine_sm90.so not built")
+def test_library_split_k_argument_checks():
+    """The built library (no GPU needed: every call fails its checks before touching CUDA)
+    refuses split-K arguments it cannot run, with the reason."""
+    import ctypes
+
+    lib = gemm_cuda._lib()
+    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 2
+    args = gemm_cuda._Args(4, 8, 64, None, 64, None, 64, None, None, 8, None, -1, None)
+
+    def batched(product, batch, sa, sb, sd):
+        rc = lib.rle_det_gemm_sm90_batched(0, product, 2, batch, sa, sb, sd, ctypes.byref(args))
+        return rc, lib.rle_last_error().decode()
+
+    rc, msg = batched(0, 2, 30, 32, 64)  # A's batch stride not 16 bytes
+    assert rc == -1 and "multiples of 8 elements" in msg
+    rc, msg = batched(0, 2, 32, 32, 16)  # D batches overlap (m * ldd = 32)
+    assert rc == -1 and ">= m * ldd = 32" in msg
+    rc, msg = batched(2, 2, 32, 32, 32)  # the weight gradient is never split
+    assert rc == -1 and "RLE_NT (0) or RLE_NN (1)" in msg
+    rc, msg = batched(0, 0, 32, 32, 32)
+    assert rc == -1 and "batch must be in [1, 2^31)" in msg
+    args.bias = 16
+    rc, msg = batched(0, 2, 32, 32, 32)
+    assert rc == -1 and "takes no bias" in msg
+    rc = lib.rle_splitk_reduce(0, 4, 8, 2, None, 8, 8, None, None, 8, None)
+    assert rc == -1 and "stride_p >= m * ldp" in lib.rle_last_error().decode()
+    rc = lib.rle_splitk_reduce(2, 4, 8, 2, None, 8, 32, None, None, 8, None)
+    assert rc == -1 and "bf16 (0) or fp16 (1)" in lib.rle_last_error().decode()
+
+
+def test_cuda_config_with_splits():
+    """The tile choice counts the slices' tiles (launch shape only, no numerics): decode over
+    N 4096 keeps `small` while small x S fills no more than a wave of `mid` tiles."""
+    get = gemm_config.get_cuda_config
+    assert [get(1, 4096, 4096, 132, splits=s) for s in (1, 2, 4, 8)] == [
+        "small", "small", "small", "mid"
+    ]  # fmt: skip
+    cost = gemm_config.cuda_wave_cost
+    assert cost("large", 512, 4096, 132, 0.85, splits=2) == 1.0  # 128 tiles: one wave
+    assert cost("large", 1024, 4096, 132, 0.85, splits=2) == 2.0
+    # the wave model above 256 rows sees S times the tiles
+    assert get(512, 4096, 4096, 132, splits=2) == "large"
 
 
 # --------------------------------------------------------------------------- GPU
@@ -466,6 +680,163 @@ def test_tp_shards_equal_tp1():
             for r in range(deg)
         ]
         assert_bitwise(tp.finish(tp.combine(subs), None, a.dtype), full, f"TP {deg} shards")
+
+
+# --------------------------------------------------------------------------- GPU: split-K
+# Forced S (the table is off): K = 4608 = 64 * 72 cuts into slices of whole 64-blocks for every S
+SPLITS = (2, 3, 4, 8)
+SPLIT_ROWS = tuple(m for m in ROW_COUNTS if m <= 1024)
+
+
+def _split(a, b, bias, s, cfg=None):
+    return gemm_cuda.det_gemm_with_config(a, b, bias, cfg, split_k=s)
+
+
+@gpu
+@pytest.mark.parametrize("s", SPLITS)
+@pytest.mark.parametrize("n", [512, 760])
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_split_k_row_invariance_bitwise(s, n, layout):
+    """Each row alone == inside batches of M = 1..1024, bitwise, for a fixed S (a function of
+    N and K only)."""
+    k = 4608
+    x = _randn(1024, k, seed=111)
+    w = _randn(n, k, seed=112, scale=k**-0.5)
+    b = w.t() if layout == "nt" else w.t().contiguous()
+    bias = _randn(n, seed=113)
+    full = _split(x, b, bias, s)
+    assert_bitwise(_split(x, b, bias, s), full, f"S={s} run-to-run")
+    for m in SPLIT_ROWS:
+        assert_bitwise(_split(x[:m], b, bias, s), full[:m], f"S={s} first {m} rows ({layout})")
+    for i in (0, 1, 513, 1023):
+        assert_bitwise(_split(x[i : i + 1], b, bias, s), full[i : i + 1], f"S={s} row {i} alone")
+    padded = torch.cat([x[:100], torch.zeros_like(x[:29])])
+    assert_bitwise(_split(padded, b, bias, s)[:100], full[:100], f"S={s} zero-padding rows")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("s", SPLITS)
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_split_k_vs_sliced_reference(dtype, s, layout):
+    """Partial s == the product of K slice s (a torch reference per slice) within fp32
+    rounding; the output == the partials added in slice order in fp32, + bias, rounded once,
+    bitwise (the reduction's order); and == the torch reference of the same slice order within
+    one rounding."""
+    m, k, n = 77, 4608, 520
+    a = _randn(m, k, dtype=dtype, seed=121)
+    w = _randn(n, k, dtype=dtype, seed=122, scale=k**-0.5)
+    b = w.t() if layout == "nt" else w.t().contiguous()
+    bias = _randn(n, dtype=dtype, seed=123)
+    parts = gemm_cuda.det_gemm_split_partials(a, b, s)
+    assert parts.dtype == torch.float32 and parts.shape == (s, m, n)
+    slices = gemm_config.cuda_split_k_slices(k, s)
+    ks = k // s
+    rtol, atol = tolerance(torch.float32, k=ks)
+    ref_sum = None
+    for i, (k0, k1) in enumerate(slices):
+        ref = (a[:, k0:k1].double() @ b[k0:k1].double()).float()  # slice i's fp32 value
+        assert_close(parts[i], ref, rtol=rtol, atol=atol, what=f"S={s} partial {i}")
+        ref_sum = ref if ref_sum is None else ref_sum + ref
+    ordered = parts[0].clone()
+    for i in range(1, s):
+        ordered = ordered + parts[i]
+    out = _split(a, b, bias, s)
+    assert_bitwise(out, (ordered + bias.float()).to(dtype), f"S={s} reduction in slice order")
+    assert_bitwise(_split(a, b, None, s), ordered.to(dtype), f"S={s} reduction, no bias")
+    rtol, atol = tolerance(dtype, k=k)
+    ref_out = ref_sum + bias.float()
+    assert_close(out, ref_out, rtol=rtol, atol=atol, what=f"S={s} vs sliced torch reference")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("mkn", [(1, 4096, 4096), (64, 14336, 1024), (300, 4096, 6144)])
+def test_split_k_vs_cublas(dtype, mkn):
+    """S > 1 is within the 16-bit rounding of cuBLAS (and of float64)."""
+    m, k, n = mkn
+    a = _randn(m, k, dtype=dtype, seed=131)
+    w = _randn(n, k, dtype=dtype, seed=132, scale=k**-0.5)
+    bias = _randn(n, dtype=dtype, seed=133)
+    rtol, atol = tolerance(dtype, k=k)
+    cublas = torch.addmm(bias, a, w.t())
+    for s in (2, 4, 8):
+        out = _split(a, w.t(), bias, s)
+        assert_close(out, cublas, rtol=rtol, atol=atol, what=f"S={s} {mkn} vs cuBLAS")
+        ref = a.double() @ w.double().t() + bias.double()
+        assert_close(out, ref, rtol=rtol, atol=atol, what=f"S={s} {mkn} vs float64")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_split_k_every_config_bitwise_equal(layout):
+    a = _randn(300, 4608, seed=141)
+    w = _randn(1000, 4608, seed=142, scale=4608**-0.5)
+    b = w.t() if layout == "nt" else w.t().contiguous()
+    bias = _randn(1000, seed=143)
+    for s in (2, 3):
+        outs = {c: _split(a, b, bias, s, c) for c in gemm_config.CUDA_CONFIGS}
+        first = next(iter(outs.values()))
+        for c, out in outs.items():
+            assert_bitwise(out, first, f"S={s} config {c}")
+
+
+@gpu
+def test_split_k_row_chunks_bitwise(monkeypatch):
+    """Partials over the workspace cap run in row chunks: the same bits."""
+    a = _randn(700, 4096, seed=151)
+    w = _randn(1024, 4096, seed=152, scale=4096**-0.5)
+    bias = _randn(1024, seed=153)
+    whole = _split(a, w.t(), bias, 4)
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K_MAX_WORKSPACE", 4 * 1024 * 4 * 200)
+    assert_bitwise(_split(a, w.t(), bias, 4), whole, "row chunks of 128")
+
+
+@gpu
+def test_split_k_cuda_graph():
+    w = _randn(4096, 4096, seed=161, scale=4096**-0.5)
+    bias = _randn(4096, seed=162)
+    for m in (1, 300):
+        a = _randn(m, 4096, seed=163 + m)
+        eager = _split(a, w.t(), bias, 4)
+        static_a = a.clone()
+        _split(static_a, w.t(), bias, 4)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = _split(static_a, w.t(), bias, 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(static_out, eager, f"S=4 graph replay M={m}")
+
+
+@gpu
+def test_split_k_from_the_table_forward_and_input_gradient(monkeypatch):
+    """Table entries (forced here) split the forward (NT) and the input-gradient product (NN,
+    through autograd), each by its own (N, K); the weight gradient is not split; rows stay batch
+    invariant."""
+    n, k = 640, 1152  # forward (N, K) = (640, 1152); input gradient (N, K) = (1152, 640)
+    w = _randn(n, k, seed=171, scale=k**-0.5)
+    x = _randn(900, k, seed=172)
+    gy = _randn(900, n, seed=173)
+
+    def grads(rows):
+        xi = x[:rows].clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        y = _gemm(xi, wi.t())
+        y.backward(gy[:rows])
+        return y.detach(), xi.grad, wi.grad
+
+    _, _, dw_plain = grads(900)
+    monkeypatch.setattr(gemm_config, "CUDA_SPLIT_K", {(n, k): 3, (k, n): 2})
+    y, dx, dw = grads(900)
+    assert_bitwise(y, _split(x, w.t(), None, 3), "forward: the table's S = 3")
+    assert_bitwise(dx, _split(gy, w, None, 2), "input gradient (NN): the table's S = 2")
+    assert_bitwise(dw, dw_plain, "weight gradient: not split")
+    for rows in (1, 17, 300):
+        yr, dxr, _ = grads(rows)
+        assert_bitwise(yr, y[:rows], f"forward first {rows} rows")
+        assert_bitwise(dxr, dx[:rows], f"input gradient first {rows} rows")
 
 
 @gpu

@@ -37,9 +37,13 @@ __all__ = [
     "WgradConfig",
     "all_configs",
     "CUDA_CONFIGS",
+    "CUDA_SPLIT_K",
+    "CUDA_SPLIT_K_MAX_WORKSPACE",
     "CUDA_TILES",
+    "cuda_split_k_slices",
     "cuda_wave_cost",
     "get_cuda_config",
+    "get_cuda_split_k",
     "all_tp_subtree_configs",
     "get_config",
     "get_tp_subtree_config",
@@ -256,14 +260,17 @@ DEFAULT_SM_COUNT = 132
 CUDA_WGRAD_CONFIG = "large"
 
 
-def cuda_wave_cost(cfg: str, m: int, n: int, sms: int, square_efficiency: float) -> float:
+def cuda_wave_cost(
+    cfg: str, m: int, n: int, sms: int, square_efficiency: float, splits: int = 1
+) -> float:
     """The wave model's time of ``cfg`` on an [m, n] output, in units of one ``large`` tile's
     time: the persistent grid runs ``ceil(tiles / sms)`` waves of one tile per SM, each tile
     costing its area (over its relative efficiency). A grid that leaves SMs idle in its last wave
     pays for the whole wave: 64 ``large`` tiles (M 512 over N 4096) on 132 SMs take as long as
-    132."""
+    132. ``splits``: a split-K launch runs the tiles of every K slice (``splits`` times as many,
+    each over K / splits: the same unit cost is a prior, not measured)."""
     bm, bn = CUDA_TILES[cfg]
-    tiles = -(-m // bm) * -(-n // bn)
+    tiles = -(-m // bm) * -(-n // bn) * splits
     waves = -(-tiles // sms)
     eff = square_efficiency if cfg == "square" else 1.0
     return waves * (bm * bn) / (128 * 256) / eff
@@ -275,6 +282,7 @@ def get_cuda_config(
     k: int,
     sms: int = DEFAULT_SM_COUNT,
     square_efficiency: float = CUDA_SQUARE_EFFICIENCY,
+    splits: int = 1,
 ) -> str:
     """The ``cuda`` provider's tile configuration for an [m, k] x [k, n] product (numerics-free:
     every configuration gives the same bits).
@@ -286,6 +294,8 @@ def get_cuda_config(
         sms: The device's streaming multiprocessors (the grid is persistent: one CTA per SM).
         square_efficiency: The wave model's ``square`` tile efficiency
             (:data:`CUDA_SQUARE_EFFICIENCY`; the fitting script passes others).
+        splits: The split-K count the product runs with (:func:`get_cuda_split_k`): its launch
+            has ``splits`` times the tiles (counted in both rules below). 1: today's choice.
 
     Returns:
         A name of :data:`CUDA_CONFIGS`: by M up to 256 rows (:data:`_CUDA_TABLE`; up to 64
@@ -295,12 +305,63 @@ def get_cuda_config(
     """
     for m_max, name in _CUDA_TABLE:
         if m <= m_max:
-            if name == "small" and -(-n // CUDA_TILES["mid"][1]) >= sms:
+            if name == "small" and -(-n // CUDA_TILES["mid"][1]) * splits >= sms:
                 # decode over a wide N (gate_up, an LM head): `mid` tiles already fill a wave
                 # and stream the weight with half the CTAs (H200, graph replay, M 1 / 16 / 64:
                 # gate_up 0.64 / 0.68 / 0.97x cuBLAS with `small`, 0.86 / 0.87 / 1.02x with
                 # `mid`; the 151,936 LM head 0.58 / 0.72 / 0.98x -> 0.91 / 0.98 / 1.04x)
                 return "mid"
             return name
-    costs = {c: cuda_wave_cost(c, m, n, sms, square_efficiency) for c in ("large", "square")}
+    costs = {
+        c: cuda_wave_cost(c, m, n, sms, square_efficiency, splits) for c in ("large", "square")
+    }
     return "square" if costs["square"] < costs["large"] else "large"
+
+
+# --- split-K of the ``cuda`` provider (machinery landed switched off) -----------------------------
+# S > 1 cuts K into S contiguous slices of K / S columns (a multiple of the 64-column k-block),
+# each accumulated as today from its own first column into an fp32 partial [S, M, N]; one
+# reduction adds the partials in slice order s = 0, 1, ..., S-1 in fp32, adds the bias, rounds
+# once (csrc/det_gemm/det_gemm_sm90.cuh). S changes the bits, so it is numerics: it is a function
+# of the product's (N, K) only, never of M (a row's bits stay independent of the batch), and a
+# table entry > 1 is a new version of the det_gemm/cuda-sm90 family. (N, K) -> S; a missing
+# entry is 1 (today's kernel, unchanged). Empty: no product splits yet (docs/operators/det_gemm.md,
+# "CUDA C++ provider", says what a GPU run must show before an entry goes in).
+CUDA_SPLIT_K: dict[tuple[int, int], int] = {}
+# The K granularity of a slice: the kernels' k-block (numerics: a slice starts at a block start).
+CUDA_SPLIT_K_BLOCK = 64
+# Largest fp32 partials buffer of one launch (S * rows * N * 4 bytes): above it the rows run in
+# chunks (rows are independent: the same bits); a single row over it is refused.
+CUDA_SPLIT_K_MAX_WORKSPACE = 256 << 20
+
+
+def get_cuda_split_k(n: int, k: int) -> int:
+    """The split-K count of the ``cuda`` provider's [M, k] x [k, n] product: a function of
+    (n, k) only (:data:`CUDA_SPLIT_K`; 1 where it has no entry, which is everywhere today)."""
+    return CUDA_SPLIT_K.get((n, k), 1)
+
+
+def cuda_split_k_slices(k: int, splits: int) -> list[tuple[int, int]]:
+    """The K slices ``[(start, stop), ...]`` of a split-K product: ``splits`` contiguous slices
+    of ``k / splits`` columns from column 0, in the order their partials are added
+    (``splits == 1``: ``[(0, k)]``, the unsplit product, any ``k``).
+
+    Raises:
+        TypeError: ``splits`` is not an int.
+        ValueError: ``splits < 1``, or ``k`` is not cut into slices of a multiple of
+            :data:`CUDA_SPLIT_K_BLOCK` columns (``k`` must be a multiple of ``64 * splits``).
+    """
+    if isinstance(splits, bool) or not isinstance(splits, int):
+        raise TypeError(f"split_k={splits!r}: must be an int")
+    if splits < 1:
+        raise ValueError(f"split_k={splits}: must be >= 1")
+    if splits == 1:
+        return [(0, k)]
+    step = CUDA_SPLIT_K_BLOCK * splits
+    if k % step:
+        raise ValueError(
+            f"split_k={splits}: K={k} does not cut into {splits} slices of a multiple of "
+            f"{CUDA_SPLIT_K_BLOCK} columns (K must be a multiple of {step})"
+        )
+    ks = k // splits
+    return [(s * ks, (s + 1) * ks) for s in range(splits)]

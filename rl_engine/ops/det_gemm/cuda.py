@@ -4,7 +4,11 @@ Numerics (family ``det_gemm/cuda-sm90``; the kernels' source, ``csrc/det_gemm/``
 authority): for bf16 / fp16, every output element is one fp32 accumulator that walks K from
 column 0 in blocks of 64, each block as four wgmma k16 steps in order (the tensor core's own
 fixed unit), no split-K, no stream-K, no atomics; ``out = (acc + bias[j]).to(a.dtype)`` with one
-rounding (no bias: ``acc.to(a.dtype)``). The weight gradient ``a.t() @ grad`` is the same
+rounding (no bias: ``acc.to(a.dtype)``). Split-K is built but switched off: where
+:func:`~rl_engine.ops.det_gemm.config.get_cuda_split_k` says S > 1 for a product's (N, K) (no
+entry does yet; tests and benchmarks force S with :func:`det_gemm_with_config`'s ``split_k``), K
+is cut into S contiguous slices of K / S columns, each accumulated as above into an fp32 partial,
+and the partials are added in slice order before the bias and the one rounding. The weight gradient ``a.t() @ grad`` is the same
 product with K = tokens, returned in fp32 (rows appended as zeros add exact zeros). fp32 inputs
 run a CUDA-core kernel: ``acc = fma(a[i, k], b[k, j], acc)`` for k = 0 .. K-1 in order (IEEE,
 no TF32). The tile shape along M and N, the schedule and the persistent grid are launch choices
@@ -38,18 +42,28 @@ from typing import Any
 
 import torch
 
+from rl_engine.ops.det_gemm import config as gemm_config
 from rl_engine.ops.det_gemm.config import (
     CUDA_CONFIGS,
     CUDA_WGRAD_CONFIG,
+    cuda_split_k_slices,
     get_cuda_config,
 )
 from rl_engine.ops.det_gemm.reference import _check, check_wgrad
 from rl_engine.registry import Provider
 
-__all__ = ["LIB_NAME", "PROVIDER", "det_gemm", "det_gemm_wgrad", "library_path"]
+__all__ = [
+    "LIB_NAME",
+    "PROVIDER",
+    "det_gemm",
+    "det_gemm_split_partials",
+    "det_gemm_wgrad",
+    "det_gemm_with_config",
+    "library_path",
+]
 
 LIB_NAME = "librl_engine_sm90.so"
-_ABI_VERSION = 1
+_ABI_VERSION = 2  # 2: the split-K entry points
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _NT, _NN, _WGRAD = 0, 1, 2  # the library's RLE_NT / RLE_NN / RLE_WGRAD
 _ALIGN = 8  # elements of a 16-bit operand per 16 bytes (TMA strides and base addresses)
@@ -127,6 +141,12 @@ def _load() -> tuple[Any, str | None]:
             None,
             f"{path} has ABI version {abi}, this rl_engine needs {_ABI_VERSION}: rebuild it",
         )
+    lib.rle_det_gemm_sm90_batched.restype = ctypes.c_int64
+    lib.rle_det_gemm_sm90_batched.argtypes = [ctypes.c_int] * 3 + [i64] * 4
+    lib.rle_det_gemm_sm90_batched.argtypes += [ctypes.POINTER(_Args)]
+    lib.rle_splitk_reduce.restype = ctypes.c_int
+    lib.rle_splitk_reduce.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.rle_splitk_reduce.argtypes += [ptr]
     return lib, None
 
 
@@ -217,18 +237,13 @@ _WS: dict[tuple, int] = {}  # workspace bytes per (device, dtype, product, cfg, 
 _MAX_WS = 8192
 
 
-def _run16(product: int, cfg: str, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k, like) -> None:
-    """One 16-bit product through the library on the current stream of ``like``'s device."""
-    lib = _lib()
-    dtype = _DTYPES[like.dtype]
-    cfg_i = CUDA_CONFIGS[cfg]
-    dev = like.get_device()
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    args = _Args(m, n, k, a_ptr, lda, b_ptr, ldb, bias, d.data_ptr(), ldd, None, -1, stream)
-    key = (dev, dtype, product, cfg_i, m, n, k, lda, ldb, ldd)
+def _launch(lib: Any, call: Any, key: tuple, args: _Args, like: torch.Tensor) -> None:
+    """``call(args)`` (an ``rle_det_gemm_sm90*`` entry point with its other arguments bound):
+    first with ``workspace_bytes = -1`` for the CUTLASS workspace size (cached per ``key``),
+    then with that workspace."""
     need = _WS.get(key)
     if need is None:
-        need = lib.rle_det_gemm_sm90(dtype, product, cfg_i, ctypes.byref(args))
+        need = call(ctypes.byref(args))
         if need < 0:
             raise _fail(lib, "cannot run this product")
         if len(_WS) >= _MAX_WS:
@@ -239,8 +254,97 @@ def _run16(product: int, cfg: str, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k
         ws = torch.empty(need, dtype=torch.uint8, device=like.device)
         args.workspace = ws.data_ptr()
     args.workspace_bytes = need
-    if lib.rle_det_gemm_sm90(dtype, product, cfg_i, ctypes.byref(args)) != 0:
+    if call(ctypes.byref(args)) != 0:
         raise _fail(lib, "kernel launch failed")
+
+
+def _run16(product: int, cfg: str, a_ptr, lda, b_ptr, ldb, bias, d, ldd, m, n, k, like) -> None:
+    """One 16-bit product through the library on the current stream of ``like``'s device."""
+    lib = _lib()
+    dtype = _DTYPES[like.dtype]
+    cfg_i = CUDA_CONFIGS[cfg]
+    dev = like.get_device()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    args = _Args(m, n, k, a_ptr, lda, b_ptr, ldb, bias, d.data_ptr(), ldd, None, -1, stream)
+    key = (dev, dtype, product, cfg_i, m, n, k, lda, ldb, ldd)
+    _launch(lib, functools.partial(lib.rle_det_gemm_sm90, dtype, product, cfg_i), key, args, like)
+
+
+def _run_slices(
+    product: int, cfg: str, a_ptr, lda, stride_a, b_ptr, ldb, stride_b, partials, m, n, k, like
+) -> None:
+    """The K slices of a split-K product in one batched launch: slice s reads A from
+    ``a_ptr + s * stride_a`` and B from ``b_ptr + s * stride_b`` (elements), K = ``k`` columns
+    (one slice), and writes ``partials[s]`` (fp32 [S, m, n] view, row stride ``n``)."""
+    lib = _lib()
+    dtype = _DTYPES[like.dtype]
+    cfg_i = CUDA_CONFIGS[cfg]
+    dev = like.get_device()
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    splits, ldd, stride_d = partials.shape[0], partials.stride(1), partials.stride(0)
+    args = _Args(m, n, k, a_ptr, lda, b_ptr, ldb, None, partials.data_ptr(), ldd, None, -1, stream)
+    key = (dev, dtype, product, cfg_i, m, n, k, lda, ldb, ldd, splits, stride_a, stride_b, stride_d)
+    call = functools.partial(
+        lib.rle_det_gemm_sm90_batched, dtype, product, cfg_i, splits, stride_a, stride_b, stride_d
+    )
+    _launch(lib, call, key, args, like)
+
+
+def _run_reduce(partials: torch.Tensor, bias, out: torch.Tensor, like: torch.Tensor) -> None:
+    """``out = round(((p_0 + p_1) + ... + p_{S-1}) + bias)`` over ``partials`` [S, m, n] fp32
+    (the split-K reduction, on the current stream)."""
+    lib = _lib()
+    splits, m, n = partials.shape
+    stream = torch.cuda.current_stream(like.get_device()).cuda_stream
+    rc = lib.rle_splitk_reduce(
+        _DTYPES[like.dtype], m, n, splits, partials.data_ptr(), partials.stride(1),
+        partials.stride(0), bias, out.data_ptr(), out.stride(0), stream,
+    )  # fmt: skip
+    if rc != 0:
+        raise _fail(lib, "split-K reduction failed")
+
+
+def _split_rows(splits: int, n: int, m: int) -> int:
+    """Rows per split-K launch: all ``m`` when ``splits * m * n`` fp32 partials fit in
+    ``CUDA_SPLIT_K_MAX_WORKSPACE``, else the most that fit (a multiple of 128 when >= 128; rows
+    are independent, so chunking them changes no bits). Raises if one row does not fit."""
+    cap = gemm_config.CUDA_SPLIT_K_MAX_WORKSPACE
+    row_bytes = splits * n * 4
+    rows = cap // row_bytes
+    if rows < 1:
+        raise ValueError(
+            f"det_gemm[cuda]: split_k={splits}: workspace too large: one row of {splits} fp32 "
+            f"partials over N={n} is {row_bytes} bytes > CUDA_SPLIT_K_MAX_WORKSPACE={cap}"
+        )
+    if rows >= m:
+        return m
+    return rows // 128 * 128 if rows >= 128 else rows
+
+
+def _run_split(product, cfg, splits, a, b_ptr, ldb, bias, out, m, n, k, partials=None) -> None:
+    """``out = a @ B (+ bias)`` with K cut into ``splits`` slices
+    (:func:`~rl_engine.ops.det_gemm.config.cuda_split_k_slices`): per chunk of rows
+    (:func:`_split_rows`) one batched launch of the slices' fp32 partials, then the reduction in
+    slice order. ``partials`` given (an fp32 [splits, m, n] tensor): the partials are left there
+    and nothing is reduced (``out`` unused)."""
+    slices = cuda_split_k_slices(k, splits)
+    ks = slices[0][1]  # every slice has ks columns; slice s starts at column s * ks
+    # slice s of A (row-major) starts s * ks elements on; of B, s * ks elements on when it is
+    # K-contiguous (NT), s * ks rows of ldb when N-contiguous (NN)
+    stride_a = ks
+    stride_b = ks if product == _NT else ks * ldb
+    lda, esize = a.stride(0), a.element_size()
+    rows = m if partials is not None else _split_rows(splits, n, m)
+    buf = partials
+    if buf is None:
+        buf = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        p = buf[:, : r1 - r0]
+        a_ptr = a.data_ptr() + r0 * lda * esize
+        _run_slices(product, cfg, a_ptr, lda, stride_a, b_ptr, ldb, stride_b, p, r1 - r0, n, ks, a)
+        if partials is None:
+            _run_reduce(p, bias, out[r0:r1], a)
 
 
 def _fp32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -270,24 +374,12 @@ def _empty_result(m: int, n: int, bias: torch.Tensor | None, like: torch.Tensor)
     return acc.to(like.dtype)
 
 
-def det_gemm_with_config(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: str | None
-) -> torch.Tensor:
-    """:func:`det_gemm` with an explicit tile configuration (a name of ``CUDA_CONFIGS``; tests
-    and tuning: every config gives the same bits)."""
-    _check(a, b, bias)
-    _check_cuda(a)
+def _operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The 16-bit operands as the library takes them: ``(a, b, bias, product, ldb, np_, kp)``
+    with ``a`` row-major [M, kp], ``b`` K-contiguous (``_NT``) or N-contiguous (``_NN``) with
+    leading dimension ``ldb``, N and K padded to ``np_`` / ``kp`` (multiples of 8)."""
     m, k = a.shape
     n = b.shape[1]
-    if m == 0 or n == 0 or k == 0:
-        return _empty_result(m, n, bias, a)
-    if a.dtype == torch.float32:
-        return _fp32(a, b, bias)
-    if a.dtype not in _DTYPES:
-        raise TypeError(f"det_gemm[cuda]: dtype {a.dtype} is not supported")
-    cfg = cfg or get_cuda_config(m, n, k, _sm_count(a))
-    if cfg not in CUDA_CONFIGS:
-        raise ValueError(f"det_gemm[cuda]: config {cfg!r}; expected one of {list(CUDA_CONFIGS)}")
     kp = _round_up(k, _ALIGN)
     np_ = _round_up(n, _ALIGN)
     if (kp, np_) != (k, n):
@@ -313,12 +405,89 @@ def det_gemm_with_config(
             product, ldb = _NT, b.stride(1)
         if bias is not None and (bias.stride(0) != 1 or not _aligned(bias)):
             bias = _copy(bias)
+    return a, b, bias, product, ldb, np_, kp
+
+
+def _split_count(dtype: torch.dtype, n: int, k: int, split_k: int | None) -> int:
+    """The split-K count of a product: ``split_k`` when given (tests, benchmarks), else the
+    table's for 16-bit inputs (:func:`~rl_engine.ops.det_gemm.config.get_cuda_split_k`: a
+    function of N and K, 1 everywhere today) and 1 for fp32 (the CUDA-core kernel does not
+    split); checked (:func:`~rl_engine.ops.det_gemm.config.cuda_split_k_slices`)."""
+    if split_k is not None:
+        splits = split_k
+    else:
+        splits = gemm_config.get_cuda_split_k(n, k) if dtype in _DTYPES else 1
+    cuda_split_k_slices(k, splits)  # raises with the reason
+    if splits > 1 and dtype not in _DTYPES:
+        raise ValueError(
+            f"det_gemm[cuda]: split_k={splits}: split-K is for bf16 / fp16 inputs, not {dtype}"
+        )
+    return splits
+
+
+def det_gemm_with_config(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: str | None,
+    *,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """:func:`det_gemm` with an explicit tile configuration (a name of ``CUDA_CONFIGS``; tests
+    and tuning: every config gives the same bits) and split-K count.
+
+    ``split_k``: ``None`` takes the table's count for (N, K) (1 everywhere today); an explicit S
+    (tests and benchmarks only: S > 1 is other numerics than the family's) cuts K into S slices
+    of K / S columns, K a multiple of ``64 * S``; S = 1 is the unsplit kernel. Raises
+    ``ValueError`` / ``TypeError`` with the reason for an S it cannot run (no fallback)."""
+    _check(a, b, bias)
+    _check_cuda(a)
+    m, k = a.shape
+    n = b.shape[1]
+    splits = _split_count(a.dtype, n, k, split_k)
+    if m == 0 or n == 0 or k == 0:
+        return _empty_result(m, n, bias, a)
+    if a.dtype == torch.float32:
+        return _fp32(a, b, bias)
+    if a.dtype not in _DTYPES:
+        raise TypeError(f"det_gemm[cuda]: dtype {a.dtype} is not supported")
+    cfg = cfg or get_cuda_config(m, n, k, _sm_count(a), splits=splits)
+    if cfg not in CUDA_CONFIGS:
+        raise ValueError(f"det_gemm[cuda]: config {cfg!r}; expected one of {list(CUDA_CONFIGS)}")
+    a, b, bias, product, ldb, np_, kp = _operands(a, b, bias)
     out = torch.empty((m, np_), dtype=a.dtype, device=a.device)
     bias_ptr = None if bias is None else bias.data_ptr()
     with _device_guard(a):
-        _run16(product, cfg, a.data_ptr(), a.stride(0), b.data_ptr(), ldb, bias_ptr, out, np_, m,
-               np_, kp, a)  # fmt: skip
+        if splits == 1:
+            _run16(product, cfg, a.data_ptr(), a.stride(0), b.data_ptr(), ldb, bias_ptr, out,
+                   np_, m, np_, kp, a)  # fmt: skip
+        else:
+            _run_split(product, cfg, splits, a, b.data_ptr(), ldb, bias_ptr, out, m, np_, kp)
     return out if np_ == n else out[:, :n].contiguous()
+
+
+def det_gemm_split_partials(
+    a: torch.Tensor, b: torch.Tensor, split_k: int, cfg: str | None = None
+) -> torch.Tensor:
+    """The fp32 partials [S, M, N] of ``det_gemm_with_config(a, b, bias, cfg, split_k=S)``
+    before its reduction (tests: partial s is the product of K slice s, accumulated from the
+    slice's first column; the result is their sum in slice order, + bias, rounded once).
+    16-bit inputs, S >= 2."""
+    _check(a, b, None)
+    _check_cuda(a)
+    m, k = a.shape
+    n = b.shape[1]
+    if a.dtype not in _DTYPES:
+        raise TypeError(f"det_gemm_split_partials[cuda]: dtype {a.dtype} is not supported")
+    splits = _split_count(a.dtype, n, k, split_k)
+    if splits < 2 or m == 0 or n == 0 or k == 0:
+        raise ValueError("det_gemm_split_partials[cuda]: needs S >= 2 and M, N, K >= 1")
+    cfg = cfg or get_cuda_config(m, n, k, _sm_count(a), splits=splits)
+    a, b, _, product, ldb, np_, kp = _operands(a, b, None)
+    partials = torch.empty((splits, m, np_), dtype=torch.float32, device=a.device)
+    with _device_guard(a):
+        _run_split(product, cfg, splits, a, b.data_ptr(), ldb, None, None, m, np_, kp, partials)
+    return partials if np_ == n else partials[:, :, :n].contiguous()
 
 
 def det_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
