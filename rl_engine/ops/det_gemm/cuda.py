@@ -8,10 +8,10 @@ rounding (no bias: ``acc.to(a.dtype)``). Split-K is built but switched off: wher
 :func:`~rl_engine.ops.det_gemm.config.get_cuda_split_k` says S > 1 for a product's (N, K) (no
 entry does yet; tests and benchmarks force S with :func:`det_gemm_with_config`'s ``split_k``), K
 is cut into S contiguous slices of K / S columns, each accumulated as above into an fp32 partial,
-and the partials are added in slice order before the bias and the one rounding. The weight gradient ``a.t() @ grad`` is the same
-product with K = tokens, returned in fp32 (rows appended as zeros add exact zeros). fp32 inputs
-run a CUDA-core kernel: ``acc = fma(a[i, k], b[k, j], acc)`` for k = 0 .. K-1 in order (IEEE,
-no TF32). The tile shape along M and N, the schedule and the persistent grid are launch choices
+and the partials are added in slice order before the bias and the one rounding. The weight
+gradient ``a.t() @ grad`` is the same product with K = tokens, returned in fp32 (rows appended
+as zeros add exact zeros). fp32 inputs run a CUDA-core kernel:
+``acc = fma(a[i, k], b[k, j], acc)`` for k = 0 .. K-1 in order (IEEE, no TF32). The tile shape along M and N, the schedule and the persistent grid are launch choices
 (:data:`rl_engine.ops.det_gemm.config.CUDA_CONFIGS`): output element (i, j) depends on row i of
 ``a``, column j of ``b`` and K only, so the op is row (batch) and column invariant. Layout
 adaptations made here (a contiguous copy of an operand TMA cannot read, zero padding of K or N
