@@ -11,7 +11,8 @@ is cut into S contiguous slices of K / S columns, each accumulated as above into
 and the partials are added in slice order before the bias and the one rounding. The weight
 gradient ``a.t() @ grad`` is the same product with K = tokens, returned in fp32 (rows appended
 as zeros add exact zeros). fp32 inputs run a CUDA-core kernel:
-``acc = fma(a[i, k], b[k, j], acc)`` for k = 0 .. K-1 in order (IEEE, no TF32). The tile shape along M and N, the schedule and the persistent grid are launch choices
+``acc = fma(a[i, k], b[k, j], acc)`` for k = 0 .. K-1 in order (IEEE, no TF32). The tile shape
+along M and N, the schedule and the persistent grid are launch choices
 (:data:`rl_engine.ops.det_gemm.config.CUDA_CONFIGS`): output element (i, j) depends on row i of
 ``a``, column j of ``b`` and K only, so the op is row (batch) and column invariant. Layout
 adaptations made here (a contiguous copy of an operand TMA cannot read, zero padding of K or N
