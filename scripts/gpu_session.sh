@@ -34,11 +34,9 @@
 #                 the trainer MoE block (--quick) on GPU 1.
 #   PHASE=g8_csrc the same HF trainer step on GPU 0 beside, on GPU 1, the CUDA C++ det_gemm tests,
 #                 every tile configuration vs cuBLAS and the fitted choice (carry build/csrc).
-#   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs: tests/ops' first half +
-#                 tests/invariance on GPU 0, its second half + tests/adapters + the drift monitor
-#                 on GPU 1 (91% of each in 575 s on 2 x H200, 2026-11-28: more than one call);
-#                 PART=1 then PART=2: the suite in quarters, two calls (PYTEST_WORKERS: 12);
-#                 carry build/csrc too, or the CUDA C++ GPU tests skip.
+#   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs, in quarters over two calls:
+#                 PART=1 then PART=2 (PYTEST_WORKERS: 12 a GPU); carry build/csrc too, or the
+#                 CUDA C++ GPU tests skip.
 #   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
 #                 test_trainer_vs_vllm.py on GPU 1).
 #
@@ -150,18 +148,15 @@ case ${PHASE:-checks} in
     ;;
   tests2)
     # the GPU suite in quarters (round robin over its files, so each mixes op and engine tests):
-    # PART=1 runs quarters 1 and 2, PART=2 quarters 3 and 4, one per GPU; unset: both halves at
-    # once (did not fit one call: 91% of each in 575 s on 2 x H200, 2026-11-28)
+    # PART=1 runs quarters 1 and 2, PART=2 quarters 3 and 4, one per GPU (the whole suite in one
+    # call did not fit: 91% of each half in 575 s on 2 x H200, 2026-11-28)
     install
     all=$(ls tests/ops/test_*.py tests/invariance/test_*.py tests/adapters/test_*.py; echo tests/audit/test_drift_monitor.py)
     quarter() { echo "$all" | awk -v q="$1" 'NR % 4 == q' | tr '\n' ' '; }
     case ${PART:-} in
       1) ta=$(quarter 1); tb=$(quarter 2) ;;
       2) ta=$(quarter 3); tb=$(quarter 0) ;;
-      *) files=$(ls tests/ops/test_*.py)
-         n=$(echo "$files" | wc -l)
-         ta="$(echo "$files" | head -n $((n / 2)) | tr '\n' ' ') tests/invariance"
-         tb="$(echo "$files" | tail -n $((n - n / 2)) | tr '\n' ' ') tests/adapters tests/audit/test_drift_monitor.py" ;;
+      *) echo "PHASE=tests2 needs PART=1 or PART=2"; exit 2 ;;
     esac
     job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$ta" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
       REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh

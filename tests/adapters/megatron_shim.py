@@ -7,7 +7,7 @@ import torch
 from rl_engine.adapters.megatron.cpu_shim import install, uninstall  # noqa: F401
 
 
-def _drop_process_groups() -> None:
+def drop_process_groups() -> None:
     """Destroy Megatron's model-parallel state and the default process group, if any (an NCCL
     group left by a GPU module of the same pytest worker cannot carry CPU tensors, and a gloo
     one left here must not serve the next GPU module)."""
@@ -38,13 +38,13 @@ def module_fixture(force_cpu: bool = False):
             uninstall()
             return
         with pytest.MonkeyPatch.context() as mp:
-            _drop_process_groups()
+            drop_process_groups()
             mp.setattr(torch.cuda, "is_available", lambda: False)
             install()
             try:
                 yield
             finally:
                 uninstall()
-                _drop_process_groups()
+                drop_process_groups()
 
     return _shim

@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
+import megatron_shim  # noqa: E402  (tests/adapters: process-group reset)
 import test_vllm_plugin as vp  # noqa: E402  (tests/adapters: engine and workload helpers)
 
 from rl_engine.adapters.megatron import cpu_shim  # noqa: E402
@@ -35,13 +36,7 @@ def _megatron_state():
 def _megatron_ready():
     """(Re)build Megatron's one-process model-parallel state after a vLLM engine ran in this
     process (vLLM tears the default process group down when it shuts down)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    megatron_shim.drop_process_groups()
     cpu_shim.install()
 
 

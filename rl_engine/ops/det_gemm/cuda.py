@@ -418,6 +418,8 @@ def _split_count(dtype: torch.dtype, n: int, k: int, split_k: int | None) -> int
         splits = split_k
     else:
         splits = gemm_config.get_cuda_split_k(n, k) if dtype in _DTYPES else 1
+        if splits == 1:  # the table's default: nothing to check on the launch path
+            return 1
     cuda_split_k_slices(k, splits)  # raises with the reason
     if splits > 1 and dtype not in _DTYPES:
         raise ValueError(
@@ -478,8 +480,6 @@ def det_gemm_split_partials(
     _check_cuda(a)
     m, k = a.shape
     n = b.shape[1]
-    if a.dtype not in _DTYPES:
-        raise TypeError(f"det_gemm_split_partials[cuda]: dtype {a.dtype} is not supported")
     splits = _split_count(a.dtype, n, k, split_k)
     if splits < 2 or m == 0 or n == 0 or k == 0:
         raise ValueError("det_gemm_split_partials[cuda]: needs S >= 2 and M, N, K >= 1")
