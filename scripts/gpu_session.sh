@@ -14,6 +14,10 @@
 #                 MoE layer benchmark vs vLLM's fused_moe and the experts tile sweep on GPU 1.
 #
 # Four-GPU lease:
+#   PHASE=bench4  the TP 4 rollout (stock vs plugin, Llama-3-8B widths, 3 rounds) alone.
+#   PHASE=tp4     vLLM TP 4 == TP 1 == HF (NCCL and one-shot exchange, stock control), then
+#                 Megatron TP 1 == 2 == 4.
+#   PHASE=tests2 PART=all  the whole GPU suite, one quarter a GPU, in one call.
 #   PHASE=moe4    installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant + stock control on
 #                 GPUs 0-1 (as checks) beside the Megatron MoE trainer TP 2 (ETP 2) == TP 1 with
 #                 its control on GPUs 2-3, then the MoE layer benchmark on GPU 2 beside the GPU
@@ -153,15 +157,33 @@ case ${PHASE:-checks} in
     install
     all=$(ls tests/ops/test_*.py tests/invariance/test_*.py tests/adapters/test_*.py; echo tests/audit/test_drift_monitor.py)
     quarter() { echo "$all" | awk -v q="$1" 'NR % 4 == q' | tr '\n' ' '; }
+    quarter_job() {  # quarter_job NAME QUARTER GPU
+      job "$1" "$T" "$3" env OUT="$OUT/$1" TESTS="$(quarter "$2")" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
+        REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+    }
     case ${PART:-} in
-      1) ta=$(quarter 1); tb=$(quarter 2) ;;
-      2) ta=$(quarter 3); tb=$(quarter 0) ;;
-      *) echo "PHASE=tests2 needs PART=1 or PART=2"; exit 2 ;;
+      1) quarter_job tests_q1 1 0; quarter_job tests_q2 2 1 ;;
+      2) quarter_job tests_q3 3 0; quarter_job tests_q4 0 1 ;;
+      all) quarter_job tests_q1 1 0; quarter_job tests_q2 2 1; quarter_job tests_q3 3 2; quarter_job tests_q4 0 3 ;;
+      *) echo "PHASE=tests2 needs PART=1 or PART=2 (two GPUs) or PART=all (four GPUs)"; exit 2 ;;
     esac
-    job tests_a "$T" 0 env OUT="$OUT/a" TESTS="$ta" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
-    job tests_b "$T" 1 env OUT="$OUT/b" TESTS="$tb" PYTEST_WORKERS="${PYTEST_WORKERS:-12}" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+    ;;
+  bench4)
+    # the TP 4 rollout alone on the machine (Llama-3-8B widths, 3 alternating rounds; 6 engine
+    # starts took 464 s on 4 x H100, 2026-11-28: the one-shot row does not fit in the same call)
+    install
+    job rollout_tp4 "$T" 0,1,2,3 $PY benchmarks/bench_rollout.py --model llama8b_width --tp 4 \
+      --configs "${ROLLOUT_CONFIGS:-stock,rl_engine}" --sizes 256 --new-tokens 256 --repeats 2 \
+      --rounds 3 --out "$OUT/bench"
+    ;;
+  tp4)
+    # vLLM TP 4 == TP 1 == the HF trainer on the current code, the NCCL exchange and the one-shot
+    # exchange (variant), with the stock control; then Megatron TP 1 == 2 == 4 (NCCL) with its
+    # control, in the time left
+    install
+    job vllm_tp4 "$T" 0,1,2,3 bash -c "OUT='$OUT/tp' TP_DEGREES=1,4 VLLM_TP=1 TP_STEP_TIMEOUT=$((T - 180)) \
+      VLLM_ARGS='--variant oneshot:RL_ENGINE_TP_ONESHOT=1' bash scripts/gpu_tp.sh; \
+      OUT='$OUT/tp' TP_DEGREES=1,2,4 TP_STEP_TIMEOUT=150 bash scripts/gpu_tp.sh"
     ;;
   vtests)
     # the vLLM engine tests against trainers on the engine's device: the MoE file on GPU 0, the
@@ -198,7 +220,7 @@ case ${PHASE:-checks} in
     wait
     job trl "$((T - ${T_TESTS:-260}))" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
     ;;
-  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, trainer_g8, g8_csrc, tests2, vtests, solo_a, solo_b or solo_c"; exit 2 ;;
+  *) echo "PHASE=checks, bench, extra, kernels, moe4, ep2, moe_rollout, trainer_g8, g8_csrc, tests2, bench4, tp4, vtests, solo_a, solo_b or solo_c"; exit 2 ;;
 esac
 wait
 # the device returns a limited number of files: the folders travel as one archive
