@@ -82,7 +82,7 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   # pytest-xdist workers behind, which must not share the GPU and the CPU with the benchmarks
   # at the time limit pytest is interrupted (SIGINT), so that its summary still comes back
   RL_ENGINE_CHECK_LAUNCH=1 RUN_GROUP_SIGNAL=INT run_group "${TEST_TIMEOUT:-3000}" "$OUT/pytest.log" \
-    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs $XDIST "${REQ_ARGS[@]}" ${PYTEST_ARGS:-}
+    $PY -m pytest $TESTS -m "not slow" -q -p no:cacheprovider -p no:logging -p scripts.pytest_failures -rfEs --durations=40 --junitxml "$OUT/pytest.xml" $XDIST "${REQ_ARGS[@]}" ${PYTEST_ARGS:-}
   status=$?
   echo "pytest exit status: $status"
   # machine-readable result next to the log (counts from pytest's last line)

@@ -187,13 +187,14 @@ def test_decode_alone_equals_decode_in_batch(case):
     assert_bitwise(decode([2, 0])[1:], batch[:1], "seq 0 decode, other order")
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in provider_cases(_dtypes) if c.values[0][1] == "triton_split"], indirect=True
+)
 def test_split_family_one_pass_and_split_programs_agree(case, monkeypatch):
     """The split family's two schedules of a paged call (split programs + combine, or one pass
     merging the splits in order) give the same bits; and the split family is not the one-pass
     family (its own numerics id)."""
     device, backend, dtype = case
-    if backend != "triton_split":
-        pytest.skip("the split family's schedules")
     from rl_engine.ops.attention import triton as at
 
     lens = [300, 129, 7]
