@@ -39,7 +39,7 @@
 #                 the trainer MoE block (--quick) on GPU 1.
 #   PHASE=g8_csrc the same HF trainer step on GPU 0 beside, on GPU 1, the CUDA C++ det_gemm tests,
 #                 every tile configuration vs cuBLAS and the fitted choice (carry build/csrc).
-#   PHASE=tests2  the GPU suite (REQUIRE vllm megatron) on both GPUs, in quarters over two calls:
+#   PHASE=tests2  the GPU suite (REQUIRE vllm megatron liger) on both GPUs, in quarters over two calls:
 #                 PART=1 then PART=2 (PYTEST_WORKERS: 12 a GPU); carry build/csrc too, or the
 #                 CUDA C++ GPU tests skip.
 #   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
@@ -48,7 +48,7 @@
 # One-GPU lease (a one-GPU machine counts half its held time), steps one after the other:
 #   PHASE=solo_a  installs; the experts tile sweep at decode sizes (SWEEP_TS, default 1,4,16),
 #                 then the CUDA C++ det_gemm tests + benchmark vs cuBLAS (carry build/csrc).
-#   PHASE=solo_b  the GPU tests of tests/ops (REQUIRE vllm megatron: a skip for either fails),
+#   PHASE=solo_b  the GPU tests of tests/ops (REQUIRE vllm megatron liger: a skip for either fails),
 #                 OPS_PART=1 then OPS_PART=2 (half of its files each: one call each).
 #   PHASE=solo_c  the GPU tests of tests/invariance, tests/adapters and the drift monitor
 #                 (REQUIRE as above), then TRL's GRPOTrainer (carry .whl_trl).
@@ -98,7 +98,7 @@ case ${PHASE:-checks} in
     ;;
   kernels)
     install
-    job gpu_ops "$T" 0 $PY -m pytest -q -p no:logging --require vllm,megatron \
+    job gpu_ops "$T" 0 $PY -m pytest -q -p no:logging --require vllm,megatron,liger \
       tests/ops/test_moe_experts_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe.py \
       tests/ops/test_moe_experts_subtree_triton.py tests/ops/test_grouped_poly_norm_triton.py \
       tests/ops/test_poly_norm.py --junitxml "$OUT/gpu_ops.xml"
@@ -114,7 +114,7 @@ case ${PHASE:-checks} in
     wait "$!"
     job moe_bench "$((T - ${T_MEGATRON:-300}))" 2 $PY benchmarks/bench_moe.py --out "$OUT/bench"
     job fixed_tests "$((T - ${T_MEGATRON:-300}))" 3 bash -c "$PY -m pytest tests/ops -q -p no:logging \
-      -n 8 -k 'compile or cat_equals' --require vllm,megatron > '$OUT/ops_compile.log' 2>&1; \
+      -n 8 -k 'compile or cat_equals' --require vllm,megatron,liger > '$OUT/ops_compile.log' 2>&1; \
       OUT='$OUT/t2' REQUIRE='vllm megatron' SKIP_FUZZ=1 SKIP_BENCH=1 PYTEST_WORKERS=4 \
       TESTS='tests/adapters/test_vllm_compat.py tests/adapters/test_vllm_plugin.py \
       tests/adapters/test_vllm_moe.py tests/adapters/test_trainer_vs_vllm.py' bash scripts/gpu_check.sh"
@@ -161,7 +161,7 @@ case ${PHASE:-checks} in
     slice_of() { echo "$all" | awk -v s="$1" -v n="$2" 'NR % n == s % n' | tr '\n' ' '; }
     slice_job() {  # slice_job SLICE N GPU
       job "tests_${1}of$2" "$T" "$3" env OUT="$OUT/tests_${1}of$2" TESTS="$(slice_of "$1" "$2")" \
-        PYTEST_WORKERS="${PYTEST_WORKERS:-12}" REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 \
+        PYTEST_WORKERS="${PYTEST_WORKERS:-12}" REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 \
         TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     }
     case ${PART:-} in
@@ -196,10 +196,10 @@ case ${PHASE:-checks} in
     # dense plugin file and trainers-vs-vLLM on GPU 1
     install
     job vtests_a "$T" 0 env OUT="$OUT/va" TESTS="tests/adapters/test_vllm_moe.py" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+      REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     job vtests_b "$T" 1 env OUT="$OUT/vb" \
       TESTS="tests/adapters/test_vllm_plugin.py tests/adapters/test_trainer_vs_vllm.py" \
-      REQUIRE="vllm megatron" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
+      REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     ;;
   solo_a)
     install
@@ -215,12 +215,12 @@ case ${PHASE:-checks} in
     files=$(ls tests/ops/test_*.py)
     n=$(echo "$files" | wc -l)
     if [ "${OPS_PART:-1}" = 1 ]; then part=$(echo "$files" | head -n $((n / 2))); else part=$(echo "$files" | tail -n $((n - n / 2))); fi
-    job ops_tests "$T" 0 env OUT="$OUT/ops${OPS_PART:-1}" TESTS="$(echo $part)" REQUIRE="vllm megatron" \
+    job ops_tests "$T" 0 env OUT="$OUT/ops${OPS_PART:-1}" TESTS="$(echo $part)" REQUIRE="vllm megatron liger" \
       SKIP_FUZZ=1 SKIP_BENCH=1 TEST_TIMEOUT="$((T - 15))" bash scripts/gpu_check.sh
     ;;
   solo_c)
     install
-    job rest_tests "${T_TESTS:-260}" 0 env OUT="$OUT/rest" REQUIRE="vllm megatron" SKIP_FUZZ=1 \
+    job rest_tests "${T_TESTS:-260}" 0 env OUT="$OUT/rest" REQUIRE="vllm megatron liger" SKIP_FUZZ=1 \
       SKIP_BENCH=1 TESTS="tests/invariance tests/adapters tests/audit/test_drift_monitor.py" \
       TEST_TIMEOUT="$((${T_TESTS:-260} - 15))" bash scripts/gpu_check.sh
     wait
