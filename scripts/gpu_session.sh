@@ -17,8 +17,8 @@
 #   PHASE=bench4  the TP 4 rollout (stock vs plugin, Llama-3-8B widths, 3 rounds) alone.
 #   PHASE=tp4     vLLM TP 4 == TP 1 == HF (NCCL and one-shot exchange, stock control;
 #                 T_JOB=560), MEGATRON=1 then Megatron TP 1 == 2 == 4.
-#   PHASE=tests2 PART=e1, then PART=e2  the whole GPU suite in eighths, one a GPU (a quarter a
-#                 GPU did not finish in one call).
+#   PHASE=tests2 PART=all  the whole GPU suite, a quarter a GPU (6 workers each); PART=e1 then
+#                 PART=e2: in eighths over two calls.
 #   PHASE=moe4    installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant + stock control on
 #                 GPUs 0-1 (as checks) beside the Megatron MoE trainer TP 2 (ETP 2) == TP 1 with
 #                 its control on GPUs 2-3, then the MoE layer benchmark on GPU 2 beside the GPU
@@ -40,7 +40,7 @@
 #   PHASE=g8_csrc the same HF trainer step on GPU 0 beside, on GPU 1, the CUDA C++ det_gemm tests,
 #                 every tile configuration vs cuBLAS and the fitted choice (carry build/csrc).
 #   PHASE=tests2  the GPU suite (REQUIRE vllm megatron liger) on both GPUs, in quarters over two calls:
-#                 PART=1 then PART=2 (PYTEST_WORKERS: 12 a GPU); carry build/csrc too, or the
+#                 PART=1 then PART=2 (PYTEST_WORKERS: 6 a GPU); carry build/csrc too, or the
 #                 CUDA C++ GPU tests skip.
 #   PHASE=vtests  the vLLM engine tests only (test_vllm_moe.py on GPU 0; test_vllm_plugin.py and
 #                 test_trainer_vs_vllm.py on GPU 1).
@@ -161,17 +161,20 @@ case ${PHASE:-checks} in
     slice_of() { echo "$all" | awk -v s="$1" -v n="$2" 'NR % n == s % n' | tr '\n' ' '; }
     slice_job() {  # slice_job SLICE N GPU
       job "tests_${1}of$2" "$T" "$3" env OUT="$OUT/tests_${1}of$2" TESTS="$(slice_of "$1" "$2")" \
-        PYTEST_WORKERS="${PYTEST_WORKERS:-12}" REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 \
+        PYTEST_WORKERS="${PYTEST_WORKERS:-6}" REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 \
         TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     }
     case ${PART:-} in
       1) slice_job 1 4 0; slice_job 2 4 1 ;;
       2) slice_job 3 4 0; slice_job 4 4 1 ;;
-      # four GPUs: eighths, four a call (a quarter a GPU reached 85-90% in 515 s on 4 x H200,
-      # 12 workers a GPU, 2026-11-28)
+      # four GPUs: a quarter a GPU, or eighths over two calls. Workers: 6 a GPU by default. On
+      # 2 x H200 (2026-11-28) 8 workers a GPU ran 91% of a half (~1,075 tests) in ~530 s; on
+      # 4 x H200 12 workers a GPU ran 85-90% of a quarter (~520 tests) in 515 s: processes
+      # sharing one GPU are time-sliced, and more of them made each test about twice as slow
+      all) slice_job 1 4 0; slice_job 2 4 1; slice_job 3 4 2; slice_job 4 4 3 ;;
       e1) slice_job 1 8 0; slice_job 2 8 1; slice_job 3 8 2; slice_job 4 8 3 ;;
       e2) slice_job 5 8 0; slice_job 6 8 1; slice_job 7 8 2; slice_job 8 8 3 ;;
-      *) echo "PHASE=tests2 needs PART=1 or PART=2 (two GPUs), e1 or e2 (four GPUs)"; exit 2 ;;
+      *) echo "PHASE=tests2 needs PART=1 or PART=2 (two GPUs), all, or e1 then e2 (four GPUs)"; exit 2 ;;
     esac
     ;;
   bench4)
