@@ -20,7 +20,7 @@ MS = (1, 64, 128, 256, 512, 1024, 2048, 8192)
 
 def _result(path: Path, square_efficiency: float, sms: int = 132) -> Path:
     """Rows whose per-config times are the wave model's at ``square_efficiency`` above 256
-    rows (small / mid three times slower there), the table's choice best up to 256 rows."""
+    rows (the 64-row tiles, small / mid / narrow, three times slower there), the table's choice best up to 256 rows."""
     rows = []
     for name, k, n in SHAPES:
         for m in MS:
@@ -30,7 +30,7 @@ def _result(path: Path, square_efficiency: float, sms: int = 132) -> Path:
                     t[c] = 10.0 if c == gemm_config.get_cuda_config(m, n, k) else 15.0
                 else:
                     base = gemm_config.cuda_wave_cost(c, m, n, sms, square_efficiency)
-                    t[c] = 10.0 * base * (3.0 if c in ("small", "mid") else 1.0)
+                    t[c] = 10.0 * base * (3.0 if gemm_config.CUDA_TILES[c][0] < 128 else 1.0)
             row = {"shape": name, "m": m, "k": k, "n": n, "config": "large" if m > 256 else
                    gemm_config.get_cuda_config(m, n, k), "cublas_us": min(t.values()),
                    "graph_cublas_us": min(t.values())}  # fmt: skip

@@ -63,6 +63,12 @@ struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode si
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
+struct CfgNarrow {  // 64 x 32 tiles: twice CfgSmall's CTAs where N / 64 leaves SMs idle (the
+                   // down / o projections at decode sizes: N 4096 is 64 small tiles on 132 SMs)
+  using Tile = Shape<_64, _32, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
 
 template <class Elem, class LayoutA, class LayoutB, class ElemD, class Cfg>
 struct GemmDef {
@@ -196,8 +202,8 @@ using RowMajor = cutlass::layout::RowMajor;
 using ColMajor = cutlass::layout::ColumnMajor;
 
 // One product (operand layouts, output element) of element type `E` at the launch config `cfg`
-// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE are built for it (not for the fp32 weight
-// gradient).
+// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE / _NARROW are built for it (not for the
+// fp32 weight gradient).
 template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
 int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
   switch (cfg) {
@@ -208,6 +214,9 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
       break;
     case RLE_CFG_SQUARE:
       if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSquare>>(p);
+      break;
+    case RLE_CFG_NARROW:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgNarrow>>(p);
       break;
   }
   set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);
@@ -223,6 +232,7 @@ int64_t run_slices_cfg(const rle_gemm_args* p, int cfg, const Batch& bt) {
     case RLE_CFG_MID: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMid>>(p, bt);
     case RLE_CFG_SMALL: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmall>>(p, bt);
     case RLE_CFG_SQUARE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSquare>>(p, bt);
+    case RLE_CFG_NARROW: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgNarrow>>(p, bt);
   }
   set_error("unknown config %d", cfg);
   return -1;

@@ -10,7 +10,7 @@
 extern "C" {
 #endif
 
-#define RLE_ABI_VERSION 2  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce
+#define RLE_ABI_VERSION 3  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce; 3: RLE_CFG_NARROW
 
 // dtype of the inputs
 #define RLE_BF16 0
@@ -27,6 +27,7 @@ extern "C" {
 #define RLE_CFG_MID 1    // 64 x 128 x 64, ping-pong
 #define RLE_CFG_SMALL 2  // 64 x 64 x 64, ping-pong
 #define RLE_CFG_SQUARE 3  // 128 x 128 x 64, cooperative
+#define RLE_CFG_NARROW 4  // 64 x 32 x 64, ping-pong (decode over a narrow N)
 
 typedef struct {
   int64_t m, n, k;

@@ -422,7 +422,7 @@ def test_library_split_k_argument_checks():
     import ctypes
 
     lib = gemm_cuda._lib()
-    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 2
+    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 3
     args = gemm_cuda._Args(4, 8, 64, None, 64, None, 64, None, None, 8, None, -1, None)
 
     def batched(product, batch, sa, sb, sd):

@@ -244,10 +244,18 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
 # Its numerics are fixed in csrc/det_gemm/det_gemm_sm90.cuh (K in blocks of 64 walked in order into
 # one fp32 accumulator, no K chunks); its tile configurations are launch shape only (the GPU
 # tests prove them bitwise equal). Indices are the library's ``RLE_CFG_*``: name -> index.
-CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3}
-# Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 ping-pong, 128x128
-# cooperative (two consumer warp groups on one tile).
-CUDA_TILES = {"large": (128, 256), "mid": (64, 128), "small": (64, 64), "square": (128, 128)}
+CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3, "narrow": 4}
+# Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 / 64x32 ping-pong,
+# 128x128 cooperative (two consumer warp groups on one tile). `narrow` (twice `small`'s CTAs over
+# a narrow N at decode sizes) is built and tested but not chosen by get_cuda_config until a GPU
+# run has timed it (docs/operators/det_gemm.md, "CUDA C++ provider").
+CUDA_TILES = {
+    "large": (128, 256),
+    "mid": (64, 128),
+    "small": (64, 64),
+    "square": (128, 128),
+    "narrow": (64, 32),
+}
 # (m_max, config name) for decode and short prefill: the first row with M <= m_max wins (small
 # tiles give few rows enough CTAs to stream the weight). Above the last row: the wave model.
 _CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"))

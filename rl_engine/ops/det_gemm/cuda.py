@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 LIB_NAME = "librl_engine_sm90.so"
-_ABI_VERSION = 2  # 2: the split-K entry points
+_ABI_VERSION = 3  # 2: the split-K entry points; 3: the `narrow` tile configuration
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _NT, _NN, _WGRAD = 0, 1, 2  # the library's RLE_NT / RLE_NN / RLE_WGRAD
 _ALIGN = 8  # elements of a 16-bit operand per 16 bytes (TMA strides and base addresses)
