@@ -27,8 +27,9 @@ reports the median over every timed generate of every round, and each round's to
 (``steps``: call count, the five slowest calls, decode median / p99, the time spent outside
 the worker, the Triton kernels compiled or loaded meanwhile, GPU clocks before and after), to
 tell a stall (a few slow calls) from a slower device or host (every call slower). Writes
-``<out>/rollout.json`` (tokens/s, ratios vs stock, start-up seconds, versions) and prints a
-table. ``--profile DIR``: each configuration also runs
+``<out>/rollout.json`` (tokens/s, ratios vs stock, start-up seconds, versions), beside it a
+PNG of every timed generate per round (``--plot FILE.json ...`` redraws it from a saved result),
+and prints a table. ``--profile DIR``: each configuration also runs
 64 prompts x 64 tokens under ``torch.profiler`` and writes its top kernels / host ops there.
 """
 
@@ -357,7 +358,47 @@ def _rows(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def plot(path: Path, payload: dict) -> None:
+    """``path``: every timed generate's tokens/s per configuration (one panel per batch size),
+    round by round (x: round, the repeats side by side), with each configuration's median (the
+    reported figure) as a line: the spread a median hides."""
+    import common
+
+    runs = {n: r for n, r in payload.get("runs", {}).items() if "rows" in r}
+    if not runs:
+        return
+    sizes = [r["prompts"] for r in next(iter(runs.values()))["rows"]]
+
+    def draw(axes):
+        for ax, (i, n) in zip(axes if len(sizes) > 1 else [axes], enumerate(sizes)):
+            for c, (name, res) in enumerate(runs.items()):
+                row = res["rows"][i]
+                tokens = row["prompts"] * row["new_tokens"]
+                for k, rnd in enumerate(res.get("rounds", [res])):
+                    secs = rnd["rows"][i]["all_seconds"]
+                    xs = [
+                        k + 1 + (c - (len(runs) - 1) / 2) * 0.18 + j * 0.05
+                        for j in range(len(secs))
+                    ]
+                    ax.plot(xs, [tokens / t for t in secs], "o", color=f"C{c}",
+                            label=name if k == 0 else None)  # fmt: skip
+                ax.axhline(row["tokens_per_s"], color=f"C{c}", lw=1, ls="--")
+            ax.set_xlabel("engine round (each point a timed generate; dashed: median)")
+            ax.set_ylabel("tokens / s")
+            ax.set_title(f"{payload.get('model_name')} TP {payload.get('tp')}: {n} prompts "
+                         f"({payload.get('gpu', '')})")  # fmt: skip
+            ax.set_xticks(range(1, max(len(r.get("rounds", [r])) for r in runs.values()) + 1))
+            ax.set_ylim(bottom=0)
+            ax.legend(loc="lower right")
+
+    common.save_figure(path, draw, ncols=len(sizes), figsize=(6 * len(sizes), 4.5))
+
+
 def main() -> int:
+    if "--plot" in sys.argv:  # redraw the figure of a saved result: --plot FILE.json ...
+        for f in sys.argv[sys.argv.index("--plot") + 1 :]:
+            plot(Path(f).with_suffix(".png"), json.loads(Path(f).read_text()))
+        return 0
     if "--worker" in sys.argv:
         i = sys.argv.index("--worker")
         model, sizes, tokens, result = sys.argv[i + 1 : i + 5]
@@ -468,7 +509,8 @@ def main() -> int:
         payload = {"model_name": args.model, "model": MODEL, "tp": args.tp, "quick": args.quick,
                    "complete": done, "configs": configs, "rounds": args.rounds,
                    "baseline": BASELINE}  # fmt: skip
-        common.write_json(args.out, name_json, {**payload, "rows": rows, "runs": results})
+        path = common.write_json(args.out, name_json, {**payload, "rows": rows, "runs": results})
+        plot(path.with_suffix(".png"), json.loads(path.read_text()))
     common.print_table(
         rows,
         ["config", "prompts", "new_tokens", "tokens_per_s", "vs_stock", "engine_start_s"],

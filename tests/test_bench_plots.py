@@ -268,6 +268,33 @@ def test_rollout_rounds_merge_every_timed_generate():
     assert merged["engine_start_s"] == 40.0 and len(merged["rounds"]) == 3
 
 
+def test_rollout_plot_shows_every_timed_generate_and_the_medians(tmp_path, figures):
+    """``bench_rollout.py``'s figure from the committed TP 4 result (4 x H200, 3 rounds): per
+    configuration and round one marker line whose points are that round's timed generates
+    (tokens / s), and the configuration's median (the reported figure) as a reference line."""
+    import bench_rollout
+
+    src = RESULTS.parent / "h200" / "session20_gpu" / "rollout_llama8b_width_tp4.json"
+    payload = json.loads(src.read_text())
+    path = tmp_path / "rollout.png"
+    bench_rollout.plot(path, payload)
+    (ax,) = _one(figures, path).axes
+    runs = payload["runs"]
+    want = [
+        [
+            r["rows"][0]["prompts"] * r["rows"][0]["new_tokens"] / t
+            for t in rnd["rows"][0]["all_seconds"]
+        ]
+        for r in runs.values()
+        for rnd in r["rounds"]
+    ]
+    assert [list(ln.get_ydata()) for ln in _data_lines(ax)] == want
+    assert len(want) == 6 and all(len(w) == 2 for w in want)
+    assert _ref_lines(ax) == sorted(r["rows"][0]["tokens_per_s"] for r in runs.values())
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(runs)
+    assert ax.get_title() == "llama8b_width TP 4: 256 prompts (h200)"
+
+
 def test_poly_norm_plot_and_summary_line(tmp_path, capsys, figures):
     """No committed GPU rows yet: synthetic rows in the benchmark's layout."""
     rows = [
