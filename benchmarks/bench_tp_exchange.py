@@ -23,7 +23,8 @@ Writes ``DIR/tp_exchange.json`` and ``DIR/tp_exchange.png``. Two parts, each at 
   subtrees through symmetric memory, one Triton kernel) by message size down to decode sizes
   (1 - 256 tokens x 4096), against NCCL's bf16 all-reduce and the NCCL exchange, each rank's
   output checked against the NCCL exchange's bitwise; where the one-shot path beats the NCCL
-  exchange is the switch point (``ONESHOT_MAX_BYTES``, provisional until this runs). The layer
+  exchange is the switch point (``ONESHOT_MAX_BYTES``: 4 MiB, from the 4 x H200 layer timings
+  of 2026-11-27; larger messages are not timed with it here). The layer
   rows add ``rl_engine_per_group_*`` (the group products as one launch each: the path before the
   one-launch kernel) and, up to 256 tokens, ``rl_engine_oneshot_*``.
 

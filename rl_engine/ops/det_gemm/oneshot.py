@@ -50,11 +50,13 @@ from rl_engine.ops._triton import tl, triton
 
 __all__ = ["ONESHOT_MAX_BYTES", "OneShot", "for_group", "unavailable_reason"]
 
-# PROVISIONAL until measured (benchmarks/bench_tp_exchange.py, "oneshot" rows; issue 44): the
-# largest subtree (fp32 bytes, 4 * M * N) that takes the one-shot path; 1 MiB = 64 tokens at
-# hidden 4096. vLLM's custom all-reduce switches from one-shot to two-shot around 512 KiB of
-# bf16 on 2-8 GPUs (the same element count as 1 MiB of fp32).
-ONESHOT_MAX_BYTES = 1 << 20
+# The largest subtree (fp32 bytes, 4 * M * N) that takes the one-shot path: 4 MiB = 256 tokens at
+# hidden 4096. Measured (4 x H200, 2026-11-27, `tp_exchange_check`, the Llama-3-8B down_proj
+# layer under CUDA-graph replay, one-shot vs NCCL exchange): TP 2 50.2 vs 66.7 us at 64 tokens,
+# 74.9 vs 93.2 at 128, 84.6 vs 106.9 at 256; TP 4 36.8 vs 47.3, 61.8 vs 76.2, 88.7 vs 87.6: the
+# one-shot path wins up to 128 tokens at both degrees and ties (TP 4) or wins (TP 2) at 256; not
+# measured above (the first setting, 1 MiB, was vLLM's custom all-reduce's one-shot limit).
+ONESHOT_MAX_BYTES = 4 << 20
 # Programs per launch (each one barrier participant); the kernel loops over the elements.
 MAX_PROGRAMS = 64
 _MAX_WORLD = 8
