@@ -115,7 +115,7 @@ case ${PHASE:-checks} in
     job moe_bench "$((T - ${T_MEGATRON:-300}))" 2 $PY benchmarks/bench_moe.py --out "$OUT/bench"
     job fixed_tests "$((T - ${T_MEGATRON:-300}))" 3 bash -c "$PY -m pytest tests/ops -q -p no:logging \
       -n 8 -k 'compile or cat_equals' --require vllm,megatron,liger > '$OUT/ops_compile.log' 2>&1; \
-      OUT='$OUT/t2' REQUIRE='vllm megatron' SKIP_FUZZ=1 SKIP_BENCH=1 PYTEST_WORKERS=4 \
+      OUT='$OUT/t2' REQUIRE='vllm megatron liger' SKIP_FUZZ=1 SKIP_BENCH=1 PYTEST_WORKERS=4 \
       TESTS='tests/adapters/test_vllm_compat.py tests/adapters/test_vllm_plugin.py \
       tests/adapters/test_vllm_moe.py tests/adapters/test_trainer_vs_vllm.py' bash scripts/gpu_check.sh"
     ;;
