@@ -20,7 +20,8 @@ MS = (1, 64, 128, 256, 512, 1024, 2048, 8192)
 
 def _result(path: Path, square_efficiency: float, sms: int = 132) -> Path:
     """Rows whose per-config times are the wave model's at ``square_efficiency`` above 256
-    rows (the 64-row tiles, small / mid / narrow, three times slower there), the table's choice best up to 256 rows."""
+    rows (the 64-row tiles, small / mid / narrow, three times slower there), the table's choice
+    best up to 256 rows."""
     rows = []
     for name, k, n in SHAPES:
         for m in MS:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_engine import KernelRegistry
-from tests.conftest import interpreter_on
+from tests.conftest import left_out_here
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -17,10 +17,8 @@ HAS_CUDA = torch.cuda.is_available()
 def provider_cases(dtypes: Callable[[str, str], Sequence[torch.dtype]]) -> list:
     """A ``(device, provider, dtype)`` param per invariant ``attention`` provider the registry
     lists for the CPU (and for CUDA when present, marked ``gpu``) and per dtype of
-    ``dtypes(provider, device)``. On a CUDA machine without the interpreter the Triton providers'
-    CPU cases are left out (their ``cuda`` cases run the same tests on the GPU), as
-    ``tests/conftest.py``'s ``backend_fixture`` does, so that a GPU run's skips are the ones
-    that matter; on a CPU machine without the interpreter they still skip with the reason."""
+    ``dtypes(provider, device)``, less the cases ``tests/conftest.py``'s ``left_out_here`` leaves
+    out (the Triton providers' CPU cases on a CUDA machine without the interpreter)."""
     devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
     out = []
     for dev in devices:
@@ -28,7 +26,7 @@ def provider_cases(dtypes: Callable[[str, str], Sequence[torch.dtype]]) -> list:
         for p in KernelRegistry.providers("attention", dev):
             if not p.invariant:
                 continue
-            if HAS_CUDA and dev == "cpu" and p.name.startswith("triton") and not interpreter_on():
+            if left_out_here(dev, p.name):
                 continue
             for dt in dtypes(p.name, dev):
                 name = str(dt).removeprefix("torch.")
