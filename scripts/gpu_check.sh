@@ -12,7 +12,7 @@
 #   different FUZZ_SEED draws a different case list)
 #   REQUIRE="vllm megatron liger": components the run must have; one that does not import fails
 #   the run at once (and a test skipped for lack of one fails: pytest --require), no silent skip
-#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters tests/audit/test_drift_monitor.py; BENCHES: names of
+#   (PYTEST_ARGS: extra pytest arguments, e.g. -k rms; PYTEST_WORKERS: xdist processes, default 8; CPU_SHARE: gpu_check.sh runs sharing the machine's cores, default 1; TESTS: pytest paths, default tests/ops tests/invariance tests/adapters tests/audit/test_drift_monitor.py; BENCHES: names of
 #   benchmarks/bench_<name>.py, default all; TEST_TIMEOUT / BENCH_TIMEOUT: seconds per step)
 #
 # megatron-core is not on the GPU image: wheels in .whl/ (carried) are installed to /tmp/site.
@@ -74,8 +74,15 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
   # pytest-xdist (when installed): N processes share the one GPU; compiling Triton kernels is
   # CPU-bound, so this is what keeps the whole suite inside one 10-minute device call
   XDIST=""
-  if $PY -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_WORKERS:-8}"; fi
-  echo "== pytest $TESTS -m 'not slow' (CUDA) $XDIST, RL_ENGINE_CHECK_LAUNCH=1 =="
+  workers=1
+  if $PY -c "import xdist" 2>/dev/null; then workers=${PYTEST_WORKERS:-8}; XDIST="-n $workers"; fi
+  # intra-op threads a process: the cores over every pytest process on the machine (CPU_SHARE:
+  # how many gpu_check.sh runs share it). torch's default, every core in every process, made
+  # the CPU-tensor tests ~50x slower with 24 workers on a 64-core 4 x H200 machine (one HF
+  # adapter test 264 s, 2026-11-28); the native providers' bits do not depend on the count
+  threads=$(( $(nproc) / (workers * ${CPU_SHARE:-1}) ))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads < 1 ? 1 : threads ))}
+  echo "== pytest $TESTS -m 'not slow' (CUDA) $XDIST, OMP_NUM_THREADS=$OMP_NUM_THREADS, RL_ENGINE_CHECK_LAUNCH=1 =="
   # every cached kernel launch also asks Triton's own binding which kernel it picks (raises on
   # a difference); the benchmarks below run without it
   # pytest in a process group of its own (scripts/_run_group.sh): a timed-out run can leave
@@ -91,7 +98,10 @@ import json, re, sys
 log, status, out, tests = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 last = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()][-1:] or [""]
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last[0])}
-json.dump({"tests": tests.split(), "exit_status": status, "counts": counts, "summary": last[0]},
+import datetime
+from rl_engine.run_info import code_hash
+json.dump({"tests": tests.split(), "exit_status": status, "counts": counts, "summary": last[0],
+           "code_hash": code_hash(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
           open(out, "w"), indent=1)
 PYEOF
 fi

@@ -18,7 +18,8 @@
 #   PHASE=tp4     vLLM TP 4 == TP 1 == HF (NCCL and one-shot exchange, stock control;
 #                 T_JOB=560), MEGATRON=1 then Megatron TP 1 == 2 == 4.
 #   PHASE=tests2 PART=all  the whole GPU suite, a quarter a GPU (6 workers each); PART=e1 then
-#                 PART=e2: in eighths over two calls.
+#                 PART=e2: in eighths over two calls; PART=list SLICES="3:0 4:1": chosen
+#                 eighths on chosen GPUs (what a cut-off call left).
 #   PHASE=moe4    installs; vLLM TP 2 (TP-sharded experts) + the EP 2 variant + stock control on
 #                 GPUs 0-1 (as checks) beside the Megatron MoE trainer TP 2 (ETP 2) == TP 1 with
 #                 its control on GPUs 2-3, then the MoE layer benchmark on GPU 2 beside the GPU
@@ -153,27 +154,29 @@ case ${PHASE:-checks} in
     ;;
   tests2)
     # the GPU suite in quarters (round robin over its files, so each mixes op and engine tests):
-    # PART=1 runs quarters 1 and 2, PART=2 quarters 3 and 4, one per GPU (the whole suite in one
-    # call did not fit: 91% of each half in 575 s on 2 x H200, 2026-11-28)
+    # PART=1 runs quarters 1 and 2, PART=2 quarters 3 and 4, one per GPU
     install
     all=$(ls tests/ops/test_*.py tests/invariance/test_*.py tests/adapters/test_*.py; echo tests/audit/test_drift_monitor.py)
     # slice S of N: every N-th file (round robin), so each slice mixes op and engine tests
     slice_of() { echo "$all" | awk -v s="$1" -v n="$2" 'NR % n == s % n' | tr '\n' ' '; }
     slice_job() {  # slice_job SLICE N GPU
       job "tests_${1}of$2" "$T" "$3" env OUT="$OUT/tests_${1}of$2" TESTS="$(slice_of "$1" "$2")" \
-        PYTEST_WORKERS="${PYTEST_WORKERS:-6}" REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 \
+        PYTEST_WORKERS="${PYTEST_WORKERS:-6}" CPU_SHARE="$(nvidia-smi -L | wc -l)" \
+        REQUIRE="vllm megatron liger" SKIP_FUZZ=1 SKIP_BENCH=1 \
         TEST_TIMEOUT="$((T - 45))" bash scripts/gpu_check.sh
     }
     case ${PART:-} in
       1) slice_job 1 4 0; slice_job 2 4 1 ;;
       2) slice_job 3 4 0; slice_job 4 4 1 ;;
-      # four GPUs: a quarter a GPU, or eighths over two calls. Workers: 6 a GPU by default. On
-      # 2 x H200 (2026-11-28) 8 workers a GPU ran 91% of a half (~1,075 tests) in ~530 s; on
-      # 4 x H200 12 workers a GPU ran 85-90% of a quarter (~520 tests) in 515 s: processes
-      # sharing one GPU are time-sliced, and more of them made each test about twice as slow
+      # four GPUs: a quarter a GPU, or eighths over two calls. Workers: 6 a GPU by default.
+      # Earlier runs that did not fit (91% of a half on 2 x H200, 85-90% of a quarter on
+      # 4 x H200) ran every worker with an intra-op thread per core: CPU_SHARE now divides the
+      # cores (gpu_check.sh), and six eighths on 4 x H200 took 381 s in one call (2026-11-28)
       all) slice_job 1 4 0; slice_job 2 4 1; slice_job 3 4 2; slice_job 4 4 3 ;;
       e1) slice_job 1 8 0; slice_job 2 8 1; slice_job 3 8 2; slice_job 4 8 3 ;;
       e2) slice_job 5 8 0; slice_job 6 8 1; slice_job 7 8 2; slice_job 8 8 3 ;;
+      # SLICES="S:GPU ...": chosen eighths, e.g. the ones a timed-out call left unfinished
+      list) for sg in ${SLICES:?PART=list needs SLICES}; do slice_job "${sg%%:*}" 8 "${sg##*:}"; done ;;
       *) echo "PHASE=tests2 needs PART=1 or PART=2 (two GPUs), all, or e1 then e2 (four GPUs)"; exit 2 ;;
     esac
     ;;
