@@ -9,7 +9,7 @@ It prints, for eager calls and CUDA-graph replay, the ratio to cuBLAS (cuBLAS ti
 geomean and worst over the rows) of:
 
 * ``table``  the choice the result was measured with (its rows' ``config``);
-* ``model``  ``config.get_cuda_config`` as it is now (table up to 256 rows, wave model above);
+* ``model``  ``config.get_cuda_config`` as it is now (by M and one wave up to 256 rows, wave model above);
 * ``fitted`` the wave model with the ``square`` efficiency that maximises the geomean of eager
   and graph ratios together (grid 0.50..1.20; :func:`fit`);
 * ``oracle`` the fastest configuration of each row (the ceiling of any choice rule),

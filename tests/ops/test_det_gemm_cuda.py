@@ -139,16 +139,22 @@ def test_cuda_config_table():
 
 
 def test_cuda_config_wave_model():
-    """Up to 256 rows by M; above, `square` where `large` tiles leave SMs idle in their last
-    wave, `large` where its grid fills the waves."""
+    """Up to 16 rows `mid`; up to 256 `small` where its tiles fit one wave, else `mid`; above,
+    `square` where `large` tiles leave SMs idle in their last wave, `large` where its grid fills
+    the waves."""
     get = gemm_config.get_cuda_config
-    assert [get(m, 4096, 4096) for m in (1, 64, 65, 256)] == ["small", "small", "mid", "mid"]
-    # decode over a wide N: `mid` where N has a `mid` tile (128 columns) per SM
-    assert [get(1, n, 4096, 132) for n in (6144, 16768, 16769, 28672, 151936)] == [
-        "small", "small", "mid", "mid", "mid"
+    assert [get(m, 4096, 4096) for m in (1, 16, 17, 64, 65, 128, 129, 256)] == [
+        "mid", "mid", "small", "small", "small", "small", "mid", "mid"
     ]  # fmt: skip
-    assert get(16, 28672, 4096, 264) == "small"  # 224 tiles: not a wave of 264 SMs
-    assert get(64, 151936, 4096, 132) == "mid" and get(65, 4096, 4096, 132) == "mid"
+    # decode: `mid` at every N
+    assert {get(m, n, 4096, 132) for m in (1, 16) for n in (8, 4096, 6144, 28672, 151936)} == {
+        "mid"
+    }
+    # short prefill: `small` while its grid is one wave: 64-column tiles x 64-row blocks
+    assert get(64, 8448, 4096, 132) == "small" and get(64, 8449, 4096, 132) == "mid"  # 132 / 133
+    assert get(128, 6144, 4096, 132) == "mid"  # 2 x 96 small tiles: two waves
+    assert get(128, 6144, 4096, 264) == "small"  # one wave of twice the SMs
+    assert get(64, 151936, 4096, 132) == "mid" and get(256, 4096, 4096, 132) == "mid"
     # M 512 over N 4096: 64 large tiles on 132 SMs (half the machine idle) vs 128 square tiles
     assert get(512, 4096, 4096, 132) == "square"
     assert get(512, 4096, 14336, 132) == "square"  # K does not enter
@@ -447,12 +453,11 @@ def test_library_split_k_argument_checks():
 
 
 def test_cuda_config_with_splits():
-    """The tile choice counts the slices' tiles (launch shape only, no numerics): decode over
-    N 4096 keeps `small` while small x S fills no more than a wave of `mid` tiles."""
+    """The tile choice counts the slices' tiles (launch shape only, no numerics): short prefill
+    over N 4096 keeps `small` while small x S fills no more than a wave."""
     get = gemm_config.get_cuda_config
-    assert [get(1, 4096, 4096, 132, splits=s) for s in (1, 2, 4, 8)] == [
-        "small", "small", "small", "mid"
-    ]  # fmt: skip
+    assert [get(64, 4096, 4096, 132, splits=s) for s in (1, 2, 4)] == ["small", "small", "mid"]
+    assert get(1, 4096, 4096, 132, splits=8) == "mid"
     cost = gemm_config.cuda_wave_cost
     assert cost("large", 512, 4096, 132, 0.85, splits=2) == 1.0  # 128 tiles: one wave
     assert cost("large", 1024, 4096, 132, 0.85, splits=2) == 2.0
@@ -469,7 +474,7 @@ _REASON = (
 )
 gpu = pytest.mark.skipif(_REASON is not None, reason=f"det_gemm[cuda]: {_REASON}")
 
-# M thresholds of the config table (_CUDA_TABLE: 64, 256) straddled, odd counts, up to 8192
+# M thresholds of the config choice (16, 64-row blocks, 256) straddled, odd counts, up to 8192
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 199, 255, 256, 257)
 ROW_COUNTS += (511, 512, 513, 1000, 1024, 2047, 2048, 4096, 4097, 8191, 8192)
 DTYPES16 = (torch.bfloat16, torch.float16)

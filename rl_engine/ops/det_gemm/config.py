@@ -256,9 +256,10 @@ CUDA_TILES = {
     "square": (128, 128),
     "narrow": (64, 32),
 }
-# (m_max, config name) for decode and short prefill: the first row with M <= m_max wins (small
-# tiles give few rows enough CTAs to stream the weight). Above the last row: the wave model.
-_CUDA_TABLE: tuple[tuple[int, str], ...] = ((64, "small"), (256, "mid"))
+# Decode and short prefill (M <= _CUDA_SHORT_M rows): `mid` up to _CUDA_DECODE_M rows; above, `small`
+# where its tiles fit one wave, else `mid`. Above _CUDA_SHORT_M: the wave model.
+_CUDA_DECODE_M = 16
+_CUDA_SHORT_M = 256
 # Output elements a `square` tile computes per unit time relative to a `large` one (a smaller
 # tile reloads more operand bytes per FLOP). A prior of the wave model, to be fitted from the
 # per-config times of `bench_det_gemm_cuda.py --configs` (`benchmarks/fit_cuda_configs.py`).
@@ -306,20 +307,23 @@ def get_cuda_config(
             has ``splits`` times the tiles (counted in both rules below). 1: today's choice.
 
     Returns:
-        A name of :data:`CUDA_CONFIGS`: by M up to 256 rows (:data:`_CUDA_TABLE`; up to 64
-        rows ``mid`` instead of ``small`` where N has at least one ``mid`` tile per SM), above that
-        ``large`` or ``square``, whichever the wave model (:func:`cuda_wave_cost`) says is
-        faster, ``large`` on a tie.
+        A name of :data:`CUDA_CONFIGS`. Up to 16 rows ``mid``; up to 256 rows ``small`` where
+        its tiles (times ``splits``) fit one wave of the SMs, else ``mid``; above that ``large``
+        or ``square``, whichever the wave model (:func:`cuda_wave_cost`) says is faster,
+        ``large`` on a tie.
     """
-    for m_max, name in _CUDA_TABLE:
-        if m <= m_max:
-            if name == "small" and -(-n // CUDA_TILES["mid"][1]) * splits >= sms:
-                # decode over a wide N (gate_up, an LM head): `mid` tiles already fill a wave
-                # and stream the weight with half the CTAs (H200, graph replay, M 1 / 16 / 64:
-                # gate_up 0.64 / 0.68 / 0.97x cuBLAS with `small`, 0.86 / 0.87 / 1.02x with
-                # `mid`; the 151,936 LM head 0.58 / 0.72 / 0.98x -> 0.91 / 0.98 / 1.04x)
-                return "mid"
-            return name
+    # H200, graph replay, every config timed in one run (benchmarks/results/h200/session21_gpu,
+    # bench_det_gemm_cuda.py --configs): at M 1 / 16 `mid` beat `small` on every N-4096 / 6144
+    # product (down_proj 0.575 / 0.701 -> 0.606 / 0.731x cuBLAS, o_proj 0.640 / 0.751 -> 0.699 /
+    # 0.815x) and on wide N by more (gate_up, the 151,936 LM head: 0.67 / 0.59 -> 0.85 / 0.91x at
+    # M 1); from 17 rows `small` wins where its grid is one wave (o_proj / down_proj at M 128:
+    # 1.049 / 1.034x vs `mid` 0.945 / 0.905x) and loses where it needs two (qkv_proj at M 128:
+    # 0.80x vs 0.92x; o_proj at M 256: 0.95x vs 1.14x)
+    if m <= _CUDA_DECODE_M:
+        return "mid"
+    if m <= _CUDA_SHORT_M:
+        tm, tn = CUDA_TILES["small"]
+        return "small" if -(-m // tm) * -(-n // tn) * splits <= sms else "mid"
     costs = {
         c: cuda_wave_cost(c, m, n, sms, square_efficiency, splits) for c in ("large", "square")
     }
