@@ -15,6 +15,9 @@
 #
 # Four-GPU lease:
 #   PHASE=bench4  the TP 4 rollout (stock vs plugin, Llama-3-8B widths, 3 rounds) alone.
+#                 ROLLOUT_CONFIGS=rl_engine,rl_engine_oneshot: the NCCL vs one-shot exchange
+#                 (issue 44's default decision); ROLLOUT_ARGS=--step-times: where a slow
+#                 generate's time goes (also for PHASE=bench)
 #   PHASE=tp4     vLLM TP 4 == TP 1 == HF (NCCL and one-shot exchange, stock control;
 #                 T_JOB=560), MEGATRON=1 then Megatron TP 1 == 2 == 4.
 #   PHASE=tests2 PART=all  the whole GPU suite, a quarter a GPU (6 workers each); PART=e1 then
@@ -91,7 +94,7 @@ case ${PHASE:-checks} in
     install
     job rollout_tp2 "$T" 0,1 $PY benchmarks/bench_rollout.py --model llama8b_width --tp 2 \
       --configs "${ROLLOUT_CONFIGS:-stock,rl_engine,rl_engine_oneshot}" --sizes 256 --new-tokens 256 --repeats 2 \
-      --rounds 3 --out "$OUT/bench"
+      --rounds 3 ${ROLLOUT_ARGS:-} --out "$OUT/bench"
     ;;
   extra)
     job trl "$T" 0 env OUT="$OUT/trl" bash scripts/gpu_trl.sh
@@ -186,7 +189,7 @@ case ${PHASE:-checks} in
     install
     job rollout_tp4 "$T" 0,1,2,3 $PY benchmarks/bench_rollout.py --model llama8b_width --tp 4 \
       --configs "${ROLLOUT_CONFIGS:-stock,rl_engine}" --sizes 256 --new-tokens 256 --repeats 2 \
-      --rounds 3 --out "$OUT/bench"
+      --rounds 3 ${ROLLOUT_ARGS:-} --out "$OUT/bench"
     ;;
   tp4)
     # vLLM TP 4 == TP 1 == the HF trainer on the current code, the NCCL exchange and the one-shot
