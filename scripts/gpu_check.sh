@@ -98,11 +98,9 @@ import json, re, sys
 log, status, out, tests = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 last = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()][-1:] or [""]
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last[0])}
-import datetime
-from rl_engine.run_info import code_hash
+from rl_engine.run_info import environment  # code hash, versions, device, date
 json.dump({"tests": tests.split(), "exit_status": status, "counts": counts, "summary": last[0],
-           "code_hash": code_hash(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-          open(out, "w"), indent=1)
+           **environment("cuda")}, open(out, "w"), indent=1)
 PYEOF
 fi
 

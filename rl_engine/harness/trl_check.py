@@ -269,9 +269,10 @@ def _stock_cpu_linear_reads_its_weight(device: str):
         yield
         return
     import torch
-    from vllm.model_executor.layers import linear
 
-    cls = linear.UnquantizedLinearMethod
+    from rl_engine.adapters.vllm import compat
+
+    cls = compat.layers().UnquantizedLinearMethod
     saved = cls.__dict__["process_weights_after_loading"]
 
     def process_weights_after_loading(self, layer):

@@ -247,8 +247,8 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
 CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3, "narrow": 4}
 # Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 / 64x32 ping-pong,
 # 128x128 cooperative (two consumer warp groups on one tile). `narrow` (twice `small`'s CTAs over
-# a narrow N at decode sizes) is built and tested but not chosen by get_cuda_config until a GPU
-# run has timed it (docs/operators/det_gemm.md, "CUDA C++ provider").
+# a narrow N at decode sizes) is built and tested but never chosen by get_cuda_config: timed
+# slower than `small` and `mid` at every decode row (H200, 2026-11-28; docs/operators/det_gemm.md).
 CUDA_TILES = {
     "large": (128, 256),
     "mid": (64, 128),
