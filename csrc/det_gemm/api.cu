@@ -172,6 +172,17 @@ int launch_reduce(int64_t m, int64_t n, int64_t splits, const float* p, int64_t 
 
 }  // namespace rle
 
+// The *_K128 configs stage two 64-blocks at a time: they walk the same blocks as the others only
+// where K is a multiple of 128 (a K tail past it would add a zero-filled 64-block more).
+static bool k_fits_config(int cfg, int64_t k) {
+  if ((cfg == RLE_CFG_MID_K128 || cfg == RLE_CFG_SMALL_K128) && k % 128 != 0) {
+    rle::set_error("config %d stages 128 K columns: K (%lld) must be a multiple of 128", cfg,
+                   (long long)k);
+    return false;
+  }
+  return true;
+}
+
 extern "C" {
 
 int rle_abi_version(void) { return RLE_ABI_VERSION; }
@@ -210,6 +221,7 @@ int64_t rle_det_gemm_sm90(int dtype, int product, int cfg, const rle_gemm_args* 
                    (long long)p->n, (long long)p->k);
     return -1;
   }
+  if (!k_fits_config(cfg, p->k)) return -1;
   if (dtype == RLE_BF16) {
     if (product == RLE_NT) return rle::gemm_bf16_nt(p, cfg);
     if (product == RLE_NN) return rle::gemm_bf16_nn(p, cfg);
@@ -243,6 +255,7 @@ int64_t rle_det_gemm_sm90_batched(int dtype, int product, int cfg, int64_t batch
     rle::set_error("the batched product takes no bias (the split-K reduction adds it)");
     return -1;
   }
+  if (!k_fits_config(cfg, p->k)) return -1;
   // TMA: byte strides are multiples of 16 (8 elements of A / B, 4 fp32 of D); the batches of D
   // must not overlap (each element written once)
   if (stride_a < 0 || stride_b < 0 || stride_a % 8 != 0 || stride_b % 8 != 0 ||

@@ -7,10 +7,12 @@
 //   wgrad:      out(i, j) = 1 * acc                              (fp32 output)
 // One fp32 accumulator per output element, K walked sequentially from column 0, k-block 64,
 // no split-K / stream-K, K tail and rows / columns past the matrix zero-filled by TMA. The
-// tile shape along M and N, the schedule (cooperative / ping-pong), the persistent grid and the
-// raster order are launch choices: they never change which products go into acc or in which
-// order, so an element depends on row i of A, column j of B and K only (row / batch and column
-// invariance). The GPU tests prove every shipped config bitwise equal.
+// tile shape along M and N, the schedule (cooperative / ping-pong), the persistent grid, the
+// raster order and the staging depth along K (a pipeline stage of 64 columns, or of 128 = two
+// 64-blocks whose k16 steps issue in the same order, only where K is a multiple of 128 so that
+// both stagings walk the same blocks) are launch choices: they never change which products go
+// into acc or in which order, so an element depends on row i of A, column j of B and K only
+// (row / batch and column invariance). The GPU tests prove every shipped config bitwise equal.
 //
 // Split-K (rle_det_gemm_sm90_batched + rle_splitk_reduce; used only where the caller's split
 // table says S > 1, and none does yet): the same kernels run as a batched product over S
@@ -40,6 +42,8 @@ namespace rle {
 using namespace cute;
 
 constexpr int kBlockK = 64;  // part of the numerics: every config walks K in blocks of 64
+// A pipeline stage of the *_K128 configs: two k-blocks (launch shape only, K % 128 == 0)
+constexpr int kStageK128 = 2 * kBlockK;
 
 // Launch configurations (performance only; see the numerics above).
 struct CfgLarge {  // 128 x 256 tiles, two consumer warp groups share a tile
@@ -66,6 +70,19 @@ struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode si
 struct CfgNarrow {  // 64 x 32 tiles: twice CfgSmall's CTAs where N / 64 leaves SMs idle (the
                    // down / o projections at decode sizes: N 4096 is 64 small tiles on 132 SMs)
   using Tile = Shape<_64, _32, Int<kBlockK>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// Decode and short prefill stream the weight through few k16 steps per stage: half the pipeline
+// stages (barrier round trips, TMA issues) per column of K, and 256-byte rows per TMA box.
+struct CfgMidK128 {  // CfgMid's 64 x 128 tiles, 128 K columns a stage
+  using Tile = Shape<_64, _128, Int<kStageK128>>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+struct CfgSmallK128 {  // CfgSmall's 64 x 64 tiles, 128 K columns a stage
+  using Tile = Shape<_64, _64, Int<kStageK128>>;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
@@ -202,8 +219,8 @@ using RowMajor = cutlass::layout::RowMajor;
 using ColMajor = cutlass::layout::ColumnMajor;
 
 // One product (operand layouts, output element) of element type `E` at the launch config `cfg`
-// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE / _NARROW are built for it (not for the
-// fp32 weight gradient).
+// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE / _NARROW / _*_K128 are built for it (not
+// for the fp32 weight gradient).
 template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
 int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
   switch (cfg) {
@@ -217,6 +234,12 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
       break;
     case RLE_CFG_NARROW:
       if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgNarrow>>(p);
+      break;
+    case RLE_CFG_MID_K128:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMidK128>>(p);
+      break;
+    case RLE_CFG_SMALL_K128:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmallK128>>(p);
       break;
   }
   set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);
@@ -233,6 +256,10 @@ int64_t run_slices_cfg(const rle_gemm_args* p, int cfg, const Batch& bt) {
     case RLE_CFG_SMALL: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmall>>(p, bt);
     case RLE_CFG_SQUARE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSquare>>(p, bt);
     case RLE_CFG_NARROW: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgNarrow>>(p, bt);
+    case RLE_CFG_MID_K128:
+      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMidK128>>(p, bt);
+    case RLE_CFG_SMALL_K128:
+      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmallK128>>(p, bt);
   }
   set_error("unknown config %d", cfg);
   return -1;

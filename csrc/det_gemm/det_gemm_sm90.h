@@ -10,7 +10,8 @@
 extern "C" {
 #endif
 
-#define RLE_ABI_VERSION 3  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce; 3: RLE_CFG_NARROW
+#define RLE_ABI_VERSION 4  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce; 3: RLE_CFG_NARROW;
+                           // 4: RLE_CFG_MID_K128, RLE_CFG_SMALL_K128
 
 // dtype of the inputs
 #define RLE_BF16 0
@@ -28,6 +29,10 @@ extern "C" {
 #define RLE_CFG_SMALL 2  // 64 x 64 x 64, ping-pong
 #define RLE_CFG_SQUARE 3  // 128 x 128 x 64, cooperative
 #define RLE_CFG_NARROW 4  // 64 x 32 x 64, ping-pong (decode over a narrow N)
+// the same tiles as MID / SMALL staging K 128 columns at a time: two 64-blocks per pipeline stage,
+// the same wgmma k16 steps in the same order (equal bits); K must be a multiple of 128
+#define RLE_CFG_MID_K128 5    // 64 x 128 x 128, ping-pong
+#define RLE_CFG_SMALL_K128 6  // 64 x 64 x 128, ping-pong
 
 typedef struct {
   int64_t m, n, k;

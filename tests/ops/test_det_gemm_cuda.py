@@ -428,7 +428,7 @@ def test_library_split_k_argument_checks():
     import ctypes
 
     lib = gemm_cuda._lib()
-    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 3
+    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 4
     args = gemm_cuda._Args(4, 8, 64, None, 64, None, 64, None, None, 8, None, -1, None)
 
     def batched(product, batch, sa, sb, sd):
@@ -446,10 +446,46 @@ def test_library_split_k_argument_checks():
     args.bias = 16
     rc, msg = batched(0, 2, 32, 32, 32)
     assert rc == -1 and "takes no bias" in msg
+    args.bias = None
+    for cfg in (gemm_config.CUDA_CONFIGS["mid_k128"], gemm_config.CUDA_CONFIGS["small_k128"]):
+        # the 128-column stagings refuse a K they would walk in other blocks (64 here)
+        rc = lib.rle_det_gemm_sm90_batched(0, 0, cfg, 2, 64, 64, 64, ctypes.byref(args))
+        assert rc == -1 and "must be a multiple of 128" in lib.rle_last_error().decode()
+        rc = lib.rle_det_gemm_sm90(0, 0, cfg, ctypes.byref(args))
+        assert rc == -1 and "must be a multiple of 128" in lib.rle_last_error().decode()
     rc = lib.rle_splitk_reduce(0, 4, 8, 2, None, 8, 8, None, None, 8, None)
     assert rc == -1 and "stride_p >= m * ldp" in lib.rle_last_error().decode()
     rc = lib.rle_splitk_reduce(2, 4, 8, 2, None, 8, 32, None, None, 8, None)
     assert rc == -1 and "bf16 (0) or fp16 (1)" in lib.rle_last_error().decode()
+
+
+def test_k128_stagings(captured_launches):
+    """The `*_k128` configurations stage 128 K columns: they launch where K (per split-K slice,
+    after the padding to a multiple of 8) is a multiple of 128 and raise with the reason
+    elsewhere, before any launch (no other config taken in their place)."""
+    assert gemm_config.CUDA_STAGE_K == {
+        c: 128 if c in ("mid_k128", "small_k128") else 64 for c in gemm_config.CUDA_CONFIGS
+    }
+    assert gemm_config.CUDA_TILES["mid_k128"] == gemm_config.CUDA_TILES["mid"]
+    assert gemm_config.CUDA_TILES["small_k128"] == gemm_config.CUDA_TILES["small"]
+    bf = torch.bfloat16
+    w = torch.randn(16, 256).to(bf)
+    gemm_cuda.det_gemm_with_config(torch.randn(3, 256).to(bf), w.t(), None, "mid_k128")
+    assert [(c["cfg"], c["k"]) for c in captured_launches] == [("mid_k128", 256)]
+    # K 250 pads to 256: the padded problem is what both stagings walk
+    gemm_cuda.det_gemm_with_config(torch.randn(3, 250).to(bf), w[:, :250].t(), None, "small_k128")
+    assert (captured_launches[-1]["cfg"], captured_launches[-1]["k"]) == ("small_k128", 256)
+    captured_launches.clear()
+    for k, split in ((192, None), (256, 4)):  # K 192; slices of 64
+        a = torch.randn(3, k).to(bf)
+        for cfg in ("mid_k128", "small_k128"):
+            with pytest.raises(ValueError, match="stages 128 K columns"):
+                gemm_cuda.det_gemm_with_config(a, w[:, :k].t(), None, cfg, split_k=split)
+        gemm_cuda.det_gemm_with_config(a, w[:, :k].t(), None, "mid", split_k=split)
+    assert [c["cfg"] for c in captured_launches if c["kind"] != "reduce"] == ["mid", "mid"]
+    assert gemm_config.cuda_config_fits("large", 24) and not gemm_config.cuda_config_fits(
+        "mid_k128", 4160
+    )
 
 
 def test_cuda_config_with_splits():
@@ -558,6 +594,30 @@ def test_every_config_bitwise_equal(dtype):
         first = next(iter(outs.values()))
         for c, out in outs.items():
             assert_bitwise(out, first, f"config {c}")
+
+
+@gpu
+@pytest.mark.parametrize("k", [4224, 4160])
+def test_every_config_bitwise_equal_k_tail(k):
+    """K 4224 (33 blocks of 128, 66 of 64): every config, 128-column stagings included, gives
+    the same bits, decode and prefill rows; K 4160 (65 blocks of 64): the 64-column configs do,
+    the 128-column ones refuse it (they would walk a zero-filled block more)."""
+    a = _randn(300, k, seed=24)
+    w = _randn(1000, k, seed=25, scale=k**-0.5)
+    bias = _randn(1000, seed=26)
+    for b in (w.t(), w.t().contiguous()):
+        for rows in (1, 16, 300):
+            outs = {}
+            for c in gemm_config.CUDA_CONFIGS:
+                if gemm_config.cuda_config_fits(c, k):
+                    outs[c] = gemm_cuda.det_gemm_with_config(a[:rows], b, bias, c)
+                else:
+                    with pytest.raises(ValueError, match="stages 128 K columns"):
+                        gemm_cuda.det_gemm_with_config(a[:rows], b, bias, c)
+            assert ("mid_k128" in outs) == (k % 128 == 0)
+            first = outs["large"]
+            for c, out in outs.items():
+                assert_bitwise(out, first, f"config {c}, {rows} rows, K={k}")
 
 
 @gpu

@@ -39,7 +39,9 @@ __all__ = [
     "CUDA_CONFIGS",
     "CUDA_SPLIT_K",
     "CUDA_SPLIT_K_MAX_WORKSPACE",
+    "CUDA_STAGE_K",
     "CUDA_TILES",
+    "cuda_config_fits",
     "cuda_split_k_slices",
     "cuda_wave_cost",
     "get_cuda_config",
@@ -244,7 +246,15 @@ def all_configs(dtype: torch.dtype) -> list[DetGemmConfig]:
 # Its numerics are fixed in csrc/det_gemm/det_gemm_sm90.cuh (K in blocks of 64 walked in order into
 # one fp32 accumulator, no K chunks); its tile configurations are launch shape only (the GPU
 # tests prove them bitwise equal). Indices are the library's ``RLE_CFG_*``: name -> index.
-CUDA_CONFIGS = {"large": 0, "mid": 1, "small": 2, "square": 3, "narrow": 4}
+CUDA_CONFIGS = {
+    "large": 0,
+    "mid": 1,
+    "small": 2,
+    "square": 3,
+    "narrow": 4,
+    "mid_k128": 5,
+    "small_k128": 6,
+}
 # Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 / 64x32 ping-pong,
 # 128x128 cooperative (two consumer warp groups on one tile). `narrow` (twice `small`'s CTAs over
 # a narrow N at decode sizes) is built and tested but never chosen by get_cuda_config: timed
@@ -255,7 +265,14 @@ CUDA_TILES = {
     "small": (64, 64),
     "square": (128, 128),
     "narrow": (64, 32),
+    "mid_k128": (64, 128),
+    "small_k128": (64, 64),
 }
+# K columns a pipeline stage holds: 64 (one k-block), or 128 for the `*_k128` stagings of `mid` /
+# `small` (two k-blocks a stage, their k16 steps in the same order: the same bits). A 128 staging
+# runs only where K (after the provider's padding to a multiple of 8) is a multiple of 128, so
+# that both stagings walk the same 64-blocks (cuda_config_fits).
+CUDA_STAGE_K = {c: 128 if c.endswith("_k128") else 64 for c in CUDA_CONFIGS}
 # Decode and short prefill (M <= _CUDA_SHORT_M rows): `mid` up to _CUDA_DECODE_M rows; above, `small`
 # where its tiles fit one wave, else `mid`. Above _CUDA_SHORT_M: the wave model.
 _CUDA_DECODE_M = 16
@@ -267,6 +284,14 @@ CUDA_SQUARE_EFFICIENCY = 0.85
 # H100 / H200 SXM; the provider passes the device's own count.
 DEFAULT_SM_COUNT = 132
 CUDA_WGRAD_CONFIG = "large"
+
+
+def cuda_config_fits(cfg: str, k: int) -> bool:
+    """Whether the tile configuration ``cfg`` runs a product whose K (per split-K slice) is
+    ``k``: the 64-column ones run any K (the k-block's tail zero-filled), the 128-column
+    stagings need ``k % 128 == 0`` (:data:`CUDA_STAGE_K`)."""
+    stage = CUDA_STAGE_K[cfg]
+    return stage == 64 or k % stage == 0
 
 
 def cuda_wave_cost(

@@ -64,7 +64,8 @@ __all__ = [
 ]
 
 LIB_NAME = "librl_engine_sm90.so"
-_ABI_VERSION = 3  # 2: the split-K entry points; 3: the `narrow` tile configuration
+# 2: the split-K entry points; 3: the `narrow` tile configuration; 4: the `*_k128` stagings
+_ABI_VERSION = 4
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _NT, _NN, _WGRAD = 0, 1, 2  # the library's RLE_NT / RLE_NN / RLE_WGRAD
 _ALIGN = 8  # elements of a 16-bit operand per 16 bytes (TMA strides and base addresses)
@@ -409,6 +410,15 @@ def _operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tu
     return a, b, bias, product, ldb, np_, kp
 
 
+def _check_config_k(cfg: str, k: int) -> None:
+    """Raises ``ValueError`` where ``cfg`` cannot stage a K (per slice) of ``k`` columns."""
+    if not gemm_config.cuda_config_fits(cfg, k):
+        raise ValueError(
+            f"det_gemm[cuda]: config {cfg!r} stages {gemm_config.CUDA_STAGE_K[cfg]} K columns; "
+            f"K={k} (per slice, padded to a multiple of {_ALIGN}) is not a multiple of it"
+        )
+
+
 def _split_count(dtype: torch.dtype, n: int, k: int, split_k: int | None) -> int:
     """The split-K count of a product: ``split_k`` when given (tests, benchmarks), else the
     table's for 16-bit inputs (:func:`~rl_engine.ops.det_gemm.config.get_cuda_split_k`: a
@@ -458,6 +468,7 @@ def det_gemm_with_config(
     if cfg not in CUDA_CONFIGS:
         raise ValueError(f"det_gemm[cuda]: config {cfg!r}; expected one of {list(CUDA_CONFIGS)}")
     a, b, bias, product, ldb, np_, kp = _operands(a, b, bias)
+    _check_config_k(cfg, kp // splits)
     out = torch.empty((m, np_), dtype=a.dtype, device=a.device)
     bias_ptr = None if bias is None else bias.data_ptr()
     with _device_guard(a):
@@ -485,6 +496,7 @@ def det_gemm_split_partials(
         raise ValueError("det_gemm_split_partials[cuda]: needs S >= 2 and M, N, K >= 1")
     cfg = cfg or get_cuda_config(m, n, k, _sm_count(a), splits=splits)
     a, b, _, product, ldb, np_, kp = _operands(a, b, None)
+    _check_config_k(cfg, kp // splits)
     partials = torch.empty((splits, m, np_), dtype=torch.float32, device=a.device)
     with _device_guard(a):
         _run_split(product, cfg, splits, a, b.data_ptr(), ldb, None, None, m, np_, kp, partials)
