@@ -102,6 +102,33 @@ def tp_reduction(provenance: list[dict[str, Any]]) -> list[str]:
     return sorted(fams.get(TP_OP) or fams.get("det_gemm") or ())
 
 
+#: What to do when the two sides compute token log-probs with different log-softmax families.
+LOGP_FIX = (
+    "resolve logp and linear_logp to one provider on both sides (RL_ENGINE_BACKEND_LOGP / "
+    "RL_ENGINE_BACKEND_LINEAR_LOGP; with RL_ENGINE_BACKEND_DET_GEMM=cuda, linear_logp runs "
+    "native: pin RL_ENGINE_BACKEND_LOGP=native too)"
+)
+
+
+def logp_families(provenance: list[dict[str, Any]]) -> list[str]:
+    """The log-softmax families a process computed token log-probs with: its ``logp`` families
+    and, for ``linear_logp`` (the LM head fused with the log-softmax), the ``logp`` family inside
+    it: named in brackets by the fused providers (``linear_logp/triton-v1024[det_gemm/...+
+    logp/triton-v1024]``), else the same provider's (``linear_logp/native-v1024`` is
+    ``logp/native-v1024`` over the resolved det_gemm). A rollout that runs ``logp`` on its logits
+    and a trainer that runs ``linear_logp`` agree only where these are equal."""
+    out: set[str] = set()
+    for r in records(provenance):
+        fam = r["numerics"]
+        if r["op"] == "logp":
+            out.add(fam)
+        elif r["op"] == "linear_logp":
+            inner = fam.partition("[")[2].rstrip("]").split("+")
+            fused = [f for f in inner if f.startswith("logp/")]
+            out.update(fused or ["logp/" + fam.split("/", 1)[1].split("[", 1)[0]])
+    return sorted(out)
+
+
 def _reduction_text(fams: list[str]) -> str:
     if any(f.startswith(TP_OP + "/") for f in fams):
         return (
@@ -125,6 +152,9 @@ def provenance_check(
     ``det_gemm_tp``) and the other on the grouped ``det_gemm_tp`` is a mismatch of op
     ``det_gemm_tp`` whose ``message`` says which side runs which reduction and the fix.
     ``names`` label the two sides in messages (e.g. ``("TP 1 trainer", "TP 2 trainer")``).
+    Where one side resolved ``logp`` and the other ``linear_logp`` (a rollout's log-softmax of
+    its logits, a trainer's fused LM head), their log-softmax families (:func:`logp_families`)
+    are compared too: a mismatch of op ``logp``.
 
     Returns ``{"ok": bool, "mismatches": [{"op", "rollout", "trainer", "message"}, ...],
     "non_invariant_ops": [...], "rollout_only": [...], "trainer_only": [...], "problems":
@@ -162,6 +192,20 @@ def provenance_check(
                 "message": "row-parallel GEMMs (attention output, MLP down projection) and "
                 f"column-parallel input gradients: {a} runs {_reduction_text(rr)}, {b} runs "
                 f"{_reduction_text(rt)}, so their log-probs differ; fix: {TP_FIX}",
+            }
+        )
+    # the token log-probs: ``logp`` on one side and ``linear_logp`` on the other is not a
+    # same-op pair above; their log-softmax families must still agree
+    lr, lt = logp_families(rollout), logp_families(trainer)
+    cross = any((op in fr) != (op in ft) for op in ("logp", "linear_logp"))
+    if cross and lr and lt and lr != lt:
+        mismatches.append(
+            {
+                "op": "logp",
+                "rollout": lr,
+                "trainer": lt,
+                "message": f"token log-probs: {a} computes them with log-softmax {lr}, {b} "
+                f"with {lt} (logp vs linear_logp), so they differ; fix: {LOGP_FIX}",
             }
         )
     non_invariant = sorted(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from rl_engine.audit import DriftMonitor
-from rl_engine.drift.metrics import provenance_check, tp_reduction
+from rl_engine.drift.metrics import logp_families, provenance_check, tp_reduction
 
 GEMM = "det_gemm/native-k16"
 GROUPED = f"det_gemm_tp/g8[{GEMM}]"
@@ -83,3 +83,48 @@ def test_drift_monitor_check_families():
         assert len(mon.check_families(PLAIN, TP)) == 1
     with pytest.raises(RuntimeError, match="trainer runs the grouped TP-invariant reduction"):
         mon.check_families(PLAIN, TP, strict=True)
+
+
+TRITON_LINEAR = "linear_logp/triton-v1024[det_gemm/triton-kc4096+logp/triton-v1024]"
+
+
+def test_logp_families_of_both_token_logprob_ops():
+    assert logp_families([_rec("logp", "logp/triton-v1024")]) == ["logp/triton-v1024"]
+    assert logp_families([_rec("linear_logp", TRITON_LINEAR)]) == ["logp/triton-v1024"]
+    assert logp_families([_rec("linear_logp", "linear_logp/native-v1024")]) == ["logp/native-v1024"]
+    assert logp_families([_rec("linear_logp", "linear_logp/stock-torch")]) == ["logp/stock-torch"]
+    assert logp_families(PLAIN) == []
+
+
+def test_rollout_logp_vs_trainer_linear_logp():
+    """A rollout's logp and a trainer's fused linear_logp agree where their log-softmax families
+    do (the default: both Triton) and are a mismatch otherwise. The case met on an H200
+    (2026-11-28): det_gemm pinned to cuda on both sides, linear_logp then native in the trainer
+    while the rollout's logp stayed Triton: 83.8% of log-probs equal, same-op families equal."""
+    gemm = "det_gemm/cuda-sm90"
+    roll = [_rec("det_gemm", gemm), _rec("logp", "logp/triton-v1024")]
+    assert provenance_check(roll, [_rec("det_gemm", "det_gemm/triton-kc4096"),
+                                   _rec("linear_logp", TRITON_LINEAR)])["mismatches"][0]["op"] == (
+        "det_gemm")  # fmt: skip
+    ok_train = [_rec("det_gemm", gemm), _rec("linear_logp", "linear_logp/native-v1024")]
+    ok_roll = [_rec("det_gemm", gemm), _rec("logp", "logp/native-v1024")]
+    assert provenance_check(ok_roll, ok_train)["ok"]
+    default = provenance_check(
+        [_rec("det_gemm", "det_gemm/triton-kc4096"), _rec("logp", "logp/triton-v1024")],
+        [_rec("det_gemm", "det_gemm/triton-kc4096"), _rec("linear_logp", TRITON_LINEAR)],
+    )
+    assert default["ok"]
+    check = provenance_check(roll, ok_train)
+    assert not check["ok"]
+    (mm,) = check["mismatches"]
+    assert (mm["op"], mm["rollout"], mm["trainer"]) == (
+        "logp",
+        ["logp/triton-v1024"],
+        ["logp/native-v1024"],
+    )
+    (msg,) = check["problems"]
+    assert "token log-probs: rollout computes them with log-softmax ['logp/triton-v1024']" in msg
+    assert "pin RL_ENGINE_BACKEND_LOGP=native too" in msg
+    # both sides on the same op: the same-op comparison alone (no second message)
+    both = provenance_check(roll, [_rec("logp", "logp/native-v1024")])
+    assert [m["op"] for m in both["mismatches"]] == ["logp"] and len(both["problems"]) == 1
