@@ -1,6 +1,7 @@
 """GPU end-to-end check of the rl_engine vLLM plugin on real CUDA vLLM (0.24.0), issue 15 item 5.
 
-    python3 scripts/gpu_vllm_e2e.py [--quick | --archs llama] [--out DIR]   (DIR: $OUT or ./out)
+    python3 scripts/gpu_vllm_e2e.py [--quick | --archs llama] [--det-gemm cuda] [--out DIR]
+    (DIR: $OUT or ./out)
 
 Models (bf16, random, written locally): a Qwen2-shaped one (QKV bias, tied embeddings, 4 layers,
 hidden 1536, 12/2 heads, FFN 8960, vocab 151936) and, unless ``--quick``, a Llama-shaped one
@@ -22,7 +23,10 @@ Checks (each a % of sampled-token log-probs bitwise equal):
 (d) the same with stock vLLM (plugin off), in its own process (patches are process-global);
 (e) provenance: ``require_routing`` passes, no unroutable layer, the sampled log-probs went
     through the routed path (executed counter > 0), and the numerics families of the ops both
-    sides run are equal.
+    sides run are equal (a rollout's ``logp`` and a trainer's ``linear_logp`` by their log-softmax
+    family); with ``--det-gemm cuda`` (every side pins det_gemm to the CUDA C++ provider,
+    ``linear_logp`` and ``logp`` to ``native``), det_gemm ran as ``det_gemm/cuda-sm90`` and
+    nothing else on both sides.
 
 Each engine runs in its own subprocess (``--mode rollout``), the trainers in another
 (``--mode trainer``); this process only orchestrates, writes ``<out>/gpu_vllm_e2e.json`` and prints
@@ -48,6 +52,7 @@ N_PROMPTS = 16
 MAX_TOKENS = 64
 BUDGET = 256  # max_num_batched_tokens: forces chunked prefill of the long prompts
 PREFIX_LEN = 96
+CUDA_GEMM_FAMILY = "det_gemm/cuda-sm90"  # --det-gemm cuda: the family both sides must run
 
 MODELS = {
     "qwen2": family_config("qwen2", layers=4, hidden=1536, heads=12, kv_heads=2, ffn=8960),
@@ -322,6 +327,16 @@ def _drive(args) -> int:
     if unknown:
         raise SystemExit(f"--archs: unknown {unknown}; known: {sorted(MODELS)}")
     deadline = time.perf_counter() + args.budget_s
+    # the pin reaches every subprocess (engines, their workers, the trainers) through the env
+    want_gemm = CUDA_GEMM_FAMILY if args.det_gemm == "cuda" else None
+    if want_gemm:
+        os.environ["RL_ENGINE_BACKEND_DET_GEMM"] = "cuda"
+        # linear_logp's Triton provider computes Triton det_gemm logits and refuses the cuda
+        # pin; its native provider calls the resolved det_gemm and the native log-softmax, so
+        # the rollout's logp (on its det_gemm logits) runs native too: the same family on both
+        # sides (without it, 83.8% equal on an H200, 2026-11-28; provenance_check now says so)
+        os.environ["RL_ENGINE_BACKEND_LINEAR_LOGP"] = "native"
+        os.environ["RL_ENGINE_BACKEND_LOGP"] = "native"
     import datetime
 
     import torch
@@ -335,6 +350,7 @@ def _drive(args) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "archs": {},
+        "det_gemm": args.det_gemm,
     }
     ok = True
     for arch in archs:
@@ -349,6 +365,10 @@ def _drive(args) -> int:
             ("stock", {"RL_ENGINE_VLLM": "0"}),
         ):
             f = work / f"{arch}_{name}.json"
+            if args.reuse and f.exists():  # a rollout an earlier (cut-off) run left here
+                print(f"  rollout {name}: reusing {f}")
+                files[name] = str(f)
+                continue
             left = max(60.0, deadline - time.perf_counter())
             rc = _sub(
                 "rollout",
@@ -421,11 +441,20 @@ def _drive(args) -> int:
                     and all(rollout_fam[k] == trainer_fam[k] for k in common)
                     and not check["mismatches"]
                 )
+                if want_gemm:  # the pinned family ran on both sides, and only it
+                    e["det_gemm_family"] = {
+                        "rollout": sorted(rollout_fam.get("det_gemm", ())),
+                        "trainer": sorted(trainer_fam.get("det_gemm", ())),
+                    }
+                    e["det_gemm_pinned"] = all(
+                        v == [want_gemm] for v in e["det_gemm_family"].values()
+                    )
                 e["ok"] = (
                     e["require_routing"] == "ok"
                     and not e["unroutable"]
                     and e["logp_executed_calls"] > 0
                     and e["same_families"]
+                    and e.get("det_gemm_pinned", True)
                 )
                 row["e_provenance"] = e
                 checks = [row["a_batch_vs_alone"], row["c_prefix_hit_rerun"]]
@@ -481,6 +510,21 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--result", default=None)
     p.add_argument("--rollouts", type=json.loads, default=None)
+    p.add_argument(
+        "--det-gemm",
+        choices=("default", "cuda"),
+        default="default",
+        help="cuda: every side (rollout engines, trainers) pins det_gemm to the CUDA C++ "
+        "provider (RL_ENGINE_BACKEND_DET_GEMM=cuda, family det_gemm/cuda-sm90; needs the built "
+        "library), linear_logp and logp to their native providers (linear_logp's calls that "
+        "det_gemm), and the check requires that family on both sides",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take the rollout results an earlier run left in <out>/gpu_vllm_e2e/ instead of "
+        "rerunning those engines (the trainers and every comparison still run)",
+    )
     p.add_argument("--budget", type=int, default=BUDGET, help=argparse.SUPPRESS)  # CPU smoke
     args = p.parse_args()
     if args.mode == "drive":
