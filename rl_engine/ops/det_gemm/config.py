@@ -271,7 +271,10 @@ CUDA_TILES = {
 # K columns a pipeline stage holds: 64 (one k-block), or 128 for the `*_k128` stagings of `mid` /
 # `small` (two k-blocks a stage, their k16 steps in the same order: the same bits). A 128 staging
 # runs only where K (after the provider's padding to a multiple of 8) is a multiple of 128, so
-# that both stagings walk the same 64-blocks (cuda_config_fits).
+# that both stagings walk the same 64-blocks (cuda_config_fits). Built, tested bitwise equal and
+# never chosen: timed no faster at any decode row (H200, 2026-11-28, down_proj M 1 under graph
+# replay: `mid` 58.4 us, `mid_k128` 60.7 us; benchmarks/results/h200/session22_gpu): the rows
+# the provider loses are bound by the K walk's chain of dependent wgmma steps, not by staging.
 CUDA_STAGE_K = {c: 128 if c.endswith("_k128") else 64 for c in CUDA_CONFIGS}
 # Decode and short prefill (M <= _CUDA_SHORT_M rows): `mid` up to _CUDA_DECODE_M rows; above, `small`
 # where its tiles fit one wave, else `mid`. Above _CUDA_SHORT_M: the wave model.
