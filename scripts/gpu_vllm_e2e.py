@@ -24,9 +24,9 @@ Checks (each a % of sampled-token log-probs bitwise equal):
 (e) provenance: ``require_routing`` passes, no unroutable layer, the sampled log-probs went
     through the routed path (executed counter > 0), and the numerics families of the ops both
     sides run are equal (a rollout's ``logp`` and a trainer's ``linear_logp`` by their log-softmax
-    family); with ``--det-gemm cuda`` (every side pins det_gemm to the CUDA C++ provider,
-    ``linear_logp`` and ``logp`` to ``native``), det_gemm ran as ``det_gemm/cuda-sm90`` and
-    nothing else on both sides.
+    family); with ``--det-gemm cuda`` (every side pins det_gemm to the CUDA C++ provider and
+    ``linear_logp`` to ``unfused``), det_gemm ran as ``det_gemm/cuda-sm90`` and nothing else on
+    both sides.
 
 Each engine runs in its own subprocess (``--mode rollout``), the trainers in another
 (``--mode trainer``); this process only orchestrates, writes ``<out>/gpu_vllm_e2e.json`` and prints
@@ -332,11 +332,10 @@ def _drive(args) -> int:
     if want_gemm:
         os.environ["RL_ENGINE_BACKEND_DET_GEMM"] = "cuda"
         # linear_logp's Triton provider computes Triton det_gemm logits and refuses the cuda
-        # pin; its native provider calls the resolved det_gemm and the native log-softmax, so
-        # the rollout's logp (on its det_gemm logits) runs native too: the same family on both
-        # sides (without it, 83.8% equal on an H200, 2026-11-28; provenance_check now says so)
-        os.environ["RL_ENGINE_BACKEND_LINEAR_LOGP"] = "native"
-        os.environ["RL_ENGINE_BACKEND_LOGP"] = "native"
+        # pin; its unfused provider takes the resolved det_gemm's logits and the Triton
+        # log-softmax the rollout's logp runs on its own (the native one would add the native
+        # log-softmax: 83.8% equal to a Triton-logp rollout on an H200, 2026-11-28)
+        os.environ["RL_ENGINE_BACKEND_LINEAR_LOGP"] = "unfused"
     import datetime
 
     import torch
@@ -516,8 +515,8 @@ def main() -> int:
         default="default",
         help="cuda: every side (rollout engines, trainers) pins det_gemm to the CUDA C++ "
         "provider (RL_ENGINE_BACKEND_DET_GEMM=cuda, family det_gemm/cuda-sm90; needs the built "
-        "library), linear_logp and logp to their native providers (linear_logp's calls that "
-        "det_gemm), and the check requires that family on both sides",
+        "library) and linear_logp to its unfused provider (that det_gemm's logits, the Triton "
+        "log-softmax), and the check requires that family on both sides",
     )
     p.add_argument(
         "--reuse",

@@ -21,6 +21,7 @@ TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:logging --durations=12 -n "${TEST_WO
   tests/ops/test_det_gemm_triton.py tests/ops/test_det_gemm_tp.py tests/ops/test_det_gemm_tp_triton.py \
   tests/ops/test_triton_elementwise.py \
   tests/ops/test_ratio_kl_triton.py tests/ops/test_grpo_loss_triton.py tests/ops/test_logp_triton.py \
+  tests/ops/test_linear_logp_unfused_triton.py \
   tests/ops/test_sampled_logp.py \
   tests/ops/test_attention.py tests/invariance/test_attention_paths.py \
   tests/ops/test_host_independence.py tests/test_fuzz.py tests/ops/test_dtensor_norms.py \

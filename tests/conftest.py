@@ -216,6 +216,8 @@ def backend_fixture(op: str, device: str | None = None):
 
     cases = []
     for p in KernelRegistry.providers(op, "cpu"):  # the CPU's order: native first
+        if p.opt_in:  # selected by name only, with its own test module (linear_logp's unfused)
+            continue
         dev = device or provider_device(p.name)
         if left_out_here(dev, p.name):
             continue

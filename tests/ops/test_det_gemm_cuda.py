@@ -121,9 +121,10 @@ def test_linear_logp_triton_refuses_cuda_gemm(monkeypatch, runnable_cuda_provide
 
     monkeypatch.setenv("RL_ENGINE_BACKEND_DET_GEMM", "cuda")
     config.reload()
-    with pytest.raises(BackendUnavailableError, match="linear_logp's native provider"):
+    with pytest.raises(BackendUnavailableError, match="RL_ENGINE_BACKEND_LINEAR_LOGP=unfused"):
         ll._check_gemm_family("triton", "cuda")
     ll._check_gemm_family("native", "cuda")  # the native provider calls the resolved det_gemm
+    ll._check_gemm_family("unfused", "cuda")  # and so does the unfused one
 
 
 def test_tp_provider_is_opt_in_too():

@@ -17,9 +17,9 @@ from rl_engine.ops._common import (
     register_triton,
     registry_entry,
 )
-from rl_engine.ops.linear_logp import reference, stock
+from rl_engine.ops.linear_logp import reference, stock, unfused
 from rl_engine.ops.logp.reference import VOCAB_TILE
-from rl_engine.registry import resolve_provider
+from rl_engine.registry import KernelRegistry, resolve_provider
 
 __all__ = ["linear_logp"]
 
@@ -145,13 +145,14 @@ def _check_gemm_family(provider: str, device_type: str) -> None:
     if provider != "triton":
         return
     gemm = resolve_provider("det_gemm", device_type)
-    from rl_engine.registry import BackendUnavailableError, KernelRegistry
+    from rl_engine.registry import BackendUnavailableError
 
     if any(p.name == gemm and p.opt_in for p in KernelRegistry.providers("det_gemm")):
         raise BackendUnavailableError(
             f"linear_logp[triton] computes its logits with det_gemm[triton], but det_gemm "
             f"resolves to {gemm!r} here: the fused op would not equal logp(det_gemm(...)). Use "
-            "linear_logp's native provider with it (RL_ENGINE_BACKEND_LINEAR_LOGP=native)"
+            "linear_logp's unfused provider with it (RL_ENGINE_BACKEND_LINEAR_LOGP=unfused: "
+            "those logits, then the Triton log-softmax a rollout's logp runs), or the native one"
         )
 
 
@@ -178,3 +179,6 @@ register_op(
 
 # The Triton provider (cuda; cpu through the Triton interpreter): first choice on the GPU.
 register_triton(__name__)
+# Opt-in: the resolved det_gemm's logits, then the Triton log-softmax (for an opt-in det_gemm
+# family, which the fused Triton provider cannot follow).
+KernelRegistry.register_provider(unfused.PROVIDER)
