@@ -104,9 +104,10 @@ def tp_reduction(provenance: list[dict[str, Any]]) -> list[str]:
 
 #: What to do when the two sides compute token log-probs with different log-softmax families.
 LOGP_FIX = (
-    "resolve logp and linear_logp to one provider on both sides (RL_ENGINE_BACKEND_LOGP / "
-    "RL_ENGINE_BACKEND_LINEAR_LOGP; with RL_ENGINE_BACKEND_DET_GEMM=cuda, linear_logp runs "
-    "native: pin RL_ENGINE_BACKEND_LOGP=native too)"
+    "give both sides one log-softmax family (RL_ENGINE_BACKEND_LOGP / "
+    "RL_ENGINE_BACKEND_LINEAR_LOGP); with RL_ENGINE_BACKEND_DET_GEMM=cuda, pin "
+    "RL_ENGINE_BACKEND_LINEAR_LOGP=unfused in the trainers (the Triton log-softmax of a "
+    "rollout's logp)"
 )
 
 

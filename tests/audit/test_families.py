@@ -86,6 +86,7 @@ def test_drift_monitor_check_families():
 
 
 TRITON_LINEAR = "linear_logp/triton-v1024[det_gemm/triton-kc4096+logp/triton-v1024]"
+UNFUSED = "linear_logp/unfused-v1024[logp/triton-v1024]"
 
 
 def test_logp_families_of_both_token_logprob_ops():
@@ -124,7 +125,9 @@ def test_rollout_logp_vs_trainer_linear_logp():
     )
     (msg,) = check["problems"]
     assert "token log-probs: rollout computes them with log-softmax ['logp/triton-v1024']" in msg
-    assert "pin RL_ENGINE_BACKEND_LOGP=native too" in msg
+    assert "pin RL_ENGINE_BACKEND_LINEAR_LOGP=unfused in the trainers" in msg
+    unfused = [_rec("det_gemm", gemm), _rec("linear_logp", UNFUSED)]
+    assert provenance_check(roll, unfused)["ok"]  # the fix: Triton logp on both sides
     # both sides on the same op: the same-op comparison alone (no second message)
     both = provenance_check(roll, [_rec("logp", "logp/native-v1024")])
     assert [m["op"] for m in both["mismatches"]] == ["logp"] and len(both["problems"]) == 1
