@@ -53,6 +53,7 @@ models or Triton versions. On the CPU the kernels run in the Triton interpreter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,6 +122,24 @@ def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.T
     check_token_range(tokens, weight.shape[0])
     if TOKEN_CHUNK <= 0:
         raise ValueError(f"linear_logp[triton]: TOKEN_CHUNK ({TOKEN_CHUNK}) must be positive")
+    return chunked_forward(
+        hidden, weight, tokens, temperature, return_entropy, _logits, TOKEN_CHUNK
+    )
+
+
+def chunked_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)`` over chunks of ``chunk`` tokens: per chunk the logits
+    ``logits_of(hidden[rows], weight)``, then the Triton vocabulary reduction of
+    :mod:`rl_engine.ops.logp.triton` into that chunk's slices of the outputs (row by row, so
+    the chunk is a memory choice). Shared with the ``unfused`` provider (other logits)."""
     n = hidden.shape[0]
     dev = hidden.device
     f32 = torch.float32
@@ -128,9 +147,9 @@ def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.T
     out_lse = torch.empty(n, dtype=f32, device=dev)
     out_ent = torch.empty(n if return_entropy else 0, dtype=f32, device=dev)
     tok = tokens.long().contiguous()
-    for r0 in range(0, n, TOKEN_CHUNK):
-        sl = slice(r0, r0 + TOKEN_CHUNK)
-        logits = _logits(hidden[sl], weight)
+    for r0 in range(0, n, chunk):
+        sl = slice(r0, r0 + chunk)
+        logits = logits_of(hidden[sl], weight)
         _vocab.vocab_forward(
             logits,
             tok[sl],

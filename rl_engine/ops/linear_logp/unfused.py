@@ -35,6 +35,7 @@ import torch
 from rl_engine.ops import _triton
 from rl_engine.ops._common import FLOAT_DTYPES, signature_of
 from rl_engine.ops.linear_logp import reference
+from rl_engine.ops.linear_logp import triton as _fused
 from rl_engine.ops.logp import triton as _vocab
 from rl_engine.registry import Provider, resolve_provider
 
@@ -56,53 +57,26 @@ def _logits(h: torch.Tensor, w: torch.Tensor, gemm: str) -> torch.Tensor:
     return torch.ops.rl_engine.det_gemm(h, w.t(), None, gemm)
 
 
-def linear_logp_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    return_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@signature_of(reference.linear_logp_forward)
+def linear_logp_forward(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, lse)`` fp32 [T] (``entropy`` empty [0] unless ``return_entropy``);
     the arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_forward`."""
+    hidden, weight, tokens, temperature, return_entropy = args
     _vocab.check_device(hidden, "linear_logp")
     reference.check_token_range(tokens, weight.shape[0])
     gemm = _gemm(hidden.device)
-    n, dev, f32 = hidden.shape[0], hidden.device, torch.float32
-    out_logp = torch.empty(n, dtype=f32, device=dev)
-    out_lse = torch.empty(n, dtype=f32, device=dev)
-    out_ent = torch.empty(n if return_entropy else 0, dtype=f32, device=dev)
-    tok = tokens.long()
-    for r0 in range(0, n, TOKEN_CHUNK):
-        sl = slice(r0, r0 + TOKEN_CHUNK)
-        logits = _logits(hidden[sl], weight, gemm)
-        _vocab.vocab_forward(
-            logits,
-            tok[sl],
-            temperature,
-            with_entropy=return_entropy,
-            out_logp=out_logp[sl],
-            out_ent=out_ent[sl] if return_entropy else None,
-            out_lse=out_lse[sl],
-        )
-        del logits
-    return out_logp, out_ent, out_lse
+    return _fused.chunked_forward(
+        hidden, weight, tokens, temperature, return_entropy,
+        lambda h, w: _logits(h, w, gemm), TOKEN_CHUNK,
+    )  # fmt: skip
 
 
-def linear_logp_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    tokens: torch.Tensor,
-    temperature: float,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    need_dhidden: bool,
-    need_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@signature_of(reference.linear_logp_backward)
+def linear_logp_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight)`` in the inputs' dtypes (empty [0] where not needed); the
     arguments of :func:`rl_engine.ops.linear_logp.reference.linear_logp_backward`."""
+    hidden, weight, tokens, temperature, lse, entropy, grad_logp, grad_entropy = args[:8]
+    need_dhidden, need_dweight = args[8:]
     _vocab.check_device(hidden, "linear_logp")
     n, dev = hidden.shape[0], hidden.device
     no_grad = grad_logp is None and grad_entropy is None
@@ -122,14 +96,12 @@ def linear_logp_backward(
         sl = slice(r0, r0 + TOKEN_CHUNK)
         h = hidden[sl]
         dlogits = _vocab.vocab_backward(
-            _logits(h, weight, gemm),
-            temperature,
-            lse[sl],
+            _logits(h, weight, gemm), temperature, lse[sl],
             tokens=tok[sl] if gl is not None else None,
             grad_logp=gl[sl] if gl is not None else None,
             entropy=ent[sl] if ent is not None else None,
             grad_entropy=ge[sl] if ge is not None else None,
-        )
+        )  # fmt: skip
         if dh is not None:
             dh[sl] = torch.ops.rl_engine.det_gemm(dlogits, weight, None, gemm)
         if need_dweight:
