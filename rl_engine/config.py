@@ -33,7 +33,8 @@ Variables:
         ``scripts/build_csrc.sh``) that the ``cuda`` providers load; unset: ``rl_engine/_lib/``
         (a wheel built with it) then ``build/csrc/`` of the source checkout. The ``cuda``
         provider of ``det_gemm`` (family ``det_gemm/cuda-sm90``) is opt-in: pin it on every
-        side with ``RL_ENGINE_BACKEND_DET_GEMM=cuda``.
+        side with ``RL_ENGINE_BACKEND_DET_GEMM=cuda``, and ``linear_logp`` in the trainers with
+        ``RL_ENGINE_BACKEND_LINEAR_LOGP=unfused`` (those logits, the Triton log-softmax).
     RL_ENGINE_TP_ONESHOT: ``1`` gives every TP exchange the adapters build over a CUDA process
         group the one-shot path for small messages (``rl_engine.ops.det_gemm.oneshot``: the
         ranks' fp32 subtrees through symmetric memory, one kernel; NCCL above
