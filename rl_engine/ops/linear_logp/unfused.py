@@ -37,7 +37,7 @@ from rl_engine.ops._common import FLOAT_DTYPES, signature_of
 from rl_engine.ops.linear_logp import reference
 from rl_engine.ops.linear_logp import triton as _fused
 from rl_engine.ops.logp import triton as _vocab
-from rl_engine.registry import Provider, resolve_provider
+from rl_engine.registry import Provider
 
 __all__ = ["NUMERICS", "PROVIDER", "TOKEN_CHUNK", "linear_logp"]
 
@@ -47,14 +47,9 @@ TOKEN_CHUNK = 1024
 NUMERICS = f"linear_logp/unfused-v{_vocab.VOCAB_TILE}[logp/{_vocab.NUMERICS}]"
 
 
-def _gemm(device: torch.device) -> str:
-    import rl_engine.ops.det_gemm  # noqa: F401  (registers rl_engine::det_gemm)
-
-    return resolve_provider("det_gemm", device.type)
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, gemm: str) -> torch.Tensor:
-    return torch.ops.rl_engine.det_gemm(h, w.t(), None, gemm)
+# the resolved det_gemm provider and its logits in hidden.dtype, as the reference computes them
+_gemm = reference._gemm_provider
+_logits = reference._logits
 
 
 @signature_of(reference.linear_logp_forward)
