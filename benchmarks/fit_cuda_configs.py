@@ -9,9 +9,12 @@ It prints, for eager calls and CUDA-graph replay, the ratio to cuBLAS (cuBLAS ti
 geomean and worst over the rows) of:
 
 * ``table``  the choice the result was measured with (its rows' ``config``);
-* ``model``  ``config.get_cuda_config`` as it is now (by M and one wave up to 256 rows, wave model above);
-* ``fitted`` the wave model with the ``square`` efficiency that maximises the geomean of eager
-  and graph ratios together (grid 0.50..1.20; :func:`fit`);
+* ``model``  ``config.get_cuda_config`` as it is now (by M and one wave up to 256 rows, the wave
+  model over the other candidates);
+* ``fitted`` the same rule with the tile efficiencies (``config.CUDA_TILE_EFFICIENCY``: those of
+  ``mid``, ``mid192``, ``large192``, ``square``) and the cluster threshold
+  (``config.CUDA_CLUSTER_M``) that maximise the geomean of eager and graph ratios together
+  (:func:`fit`);
 * ``oracle`` the fastest configuration of each row (the ceiling of any choice rule),
 
 then the rows where the fitted rule loses more than 5% to the oracle (what a rule by M and the
@@ -23,6 +26,7 @@ gives the same bits (``test_every_config_bitwise_equal``), so any choice is spee
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -36,7 +40,9 @@ from rl_engine.ops.det_gemm import config as gemm_config  # noqa: E402
 
 CONFIGS = tuple(gemm_config.CUDA_CONFIGS)
 MODES = ("", "graph_")  # eager, CUDA-graph replay
-EFFICIENCIES = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
+EFFICIENCIES = tuple(round(0.6 + 0.05 * i, 2) for i in range(9))  # 0.60 .. 1.00
+FITTED = ("mid", "mid192", "large192", "square")  # the efficiencies fitted (`large` is the unit)
+CLUSTER_MS = (1024, 2048, 4096, 8192, 1 << 30)  # the last: never clustered
 
 
 def _geomean(vals: list[float]) -> float:
@@ -70,9 +76,13 @@ def oracle(row: dict[str, Any], mode: str) -> str:
     return min(CONFIGS, key=lambda c: row[f"{mode}cfg_{c}_us"])
 
 
-def model(sms: int, efficiency: float = gemm_config.CUDA_SQUARE_EFFICIENCY):
-    """``get_cuda_config`` at this SM count and ``square`` efficiency, as a row -> name pick."""
-    return lambda r: gemm_config.get_cuda_config(r["m"], r["n"], r["k"], sms, efficiency)
+def model(sms: int, efficiency: dict[str, float] | None = None, cluster_m: int | None = None):
+    """``get_cuda_config`` at this SM count, tile efficiencies and cluster threshold (``None``:
+    the config module's), as a row -> name pick."""
+    cm = gemm_config.CUDA_CLUSTER_M if cluster_m is None else cluster_m
+    return lambda r: gemm_config.get_cuda_config(
+        r["m"], r["n"], r["k"], sms, efficiency, cluster_m=cm
+    )
 
 
 def summary(rows: list[dict[str, Any]], pick_for_mode) -> dict[str, float]:
@@ -84,18 +94,30 @@ def summary(rows: list[dict[str, Any]], pick_for_mode) -> dict[str, float]:
     return out
 
 
-def fit(rows: list[dict[str, Any]], sms: int) -> float:
-    """The ``square`` efficiency whose wave-model choice has the best geomean ratio over eager
-    and graph rows together; where several tie (the same choices on these rows), the middle of
-    them (the farthest from the rows where the choice flips)."""
+def fit(rows: list[dict[str, Any]], sms: int) -> tuple[dict[str, float], int]:
+    """The tile efficiencies (of :data:`FITTED`, over :data:`EFFICIENCIES`) and the cluster
+    threshold (of :data:`CLUSTER_MS`) whose choice has the best geomean ratio over eager and
+    graph rows together; where several tie (the same choices on these rows), the one nearest the
+    config module's values (a fit moves a constant only as far as the rows demand)."""
+    now = gemm_config.CUDA_TILE_EFFICIENCY
 
-    def score(eff: float) -> float:
-        pick = model(sms, eff)
+    def score(effs: dict[str, float], cm: int) -> float:
+        pick = model(sms, effs, cm)
         return round(_geomean([v for mode in MODES for v in ratios(rows, pick, mode)]), 12)
 
-    scores = {e: score(e) for e in EFFICIENCIES}
-    tied = [e for e in EFFICIENCIES if scores[e] == max(scores.values())]
-    return tied[len(tied) // 2]
+    def distance(effs: dict[str, float], cm: int) -> float:
+        d = sum(abs(effs[c] - now[c]) for c in FITTED)
+        return d + abs(math.log2(cm) - math.log2(gemm_config.CUDA_CLUSTER_M))
+
+    cands = [
+        (dict(zip(FITTED, vals, strict=True)), cm)
+        for vals in itertools.product(EFFICIENCIES, repeat=len(FITTED))
+        for cm in CLUSTER_MS
+    ]
+    scores = [score(e, cm) for e, cm in cands]
+    top = max(scores)
+    tied = [c for c, sc in zip(cands, scores, strict=True) if sc == top]
+    return min(tied, key=lambda c: distance(*c))
 
 
 def best_by_m(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -116,22 +138,23 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for cuda_config_fit.json")
     args = p.parse_args()
     rows, sms = load(args.result)
-    eff = fit(rows, sms)
+    eff, cluster_m = fit(rows, sms)
     rules = {
         "table": lambda mode: lambda r: r["config"],
         "model": lambda mode: model(sms),
-        "fitted": lambda mode: model(sms, eff),
+        "fitted": lambda mode: model(sms, eff, cluster_m),
         "oracle": lambda mode: lambda r: oracle(r, mode),
     }
     results = {name: summary(rows, rule) for name, rule in rules.items()}
-    print(f"{len(rows)} rows, {sms} SMs; fitted square efficiency {eff} "
-          f"(now {gemm_config.CUDA_SQUARE_EFFICIENCY})")  # fmt: skip
+    now = {c: gemm_config.CUDA_TILE_EFFICIENCY[c] for c in FITTED}
+    print(f"{len(rows)} rows, {sms} SMs; fitted efficiencies {eff} (now {now}), cluster from "
+          f"M {cluster_m} (now {gemm_config.CUDA_CLUSTER_M})")  # fmt: skip
     print(f"{'rule':8s} {'eager geomean':>14s} {'eager worst':>12s} {'graph geomean':>14s} "
           f"{'graph worst':>12s}")  # fmt: skip
     for name, s in results.items():
         print(f"{name:8s} {s['ratio_geomean']:14.3f} {s['ratio_worst']:12.3f} "
               f"{s['graph_ratio_geomean']:14.3f} {s['graph_ratio_worst']:12.3f}")  # fmt: skip
-    fitted = model(sms, eff)
+    fitted = model(sms, eff, cluster_m)
     misses = []
     for r in rows:
         best = oracle(r, "graph_")
@@ -157,8 +180,9 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "cuda_config_fit.json"
         path.write_text(json.dumps({
-            "source": str(args.result), "sm_count": sms, "fitted_square_efficiency": eff,
-            "current_square_efficiency": gemm_config.CUDA_SQUARE_EFFICIENCY,
+            "source": str(args.result), "sm_count": sms, "fitted_efficiency": eff,
+            "current_efficiency": now, "fitted_cluster_m": cluster_m,
+            "current_cluster_m": gemm_config.CUDA_CLUSTER_M,
             "rules": results, "misses": misses, "per_m": {str(m): v for m, v in per_m.items()},
         }, indent=1))  # fmt: skip
         print(f"\nwrote {path}")

@@ -8,11 +8,13 @@
 // One fp32 accumulator per output element, K walked sequentially from column 0, k-block 64,
 // no split-K / stream-K, K tail and rows / columns past the matrix zero-filled by TMA. The
 // tile shape along M and N, the schedule (cooperative / ping-pong), the persistent grid, the
-// raster order and the staging depth along K (a pipeline stage of 64 columns, or of 128 = two
-// 64-blocks whose k16 steps issue in the same order, only where K is a multiple of 128 so that
-// both stagings walk the same blocks) are launch choices: they never change which products go
-// into acc or in which order, so an element depends on row i of A, column j of B and K only
-// (row / batch and column invariance). The GPU tests prove every shipped config bitwise equal.
+// raster order, the cluster shape (a cluster's CTAs share an operand tile through TMA multicast:
+// the same bytes in shared memory) and the staging depth along K (a pipeline stage of 64 columns,
+// or of 128 = two 64-blocks whose k16 steps issue in the same order, only where K is a multiple
+// of 128 so that both stagings walk the same blocks) are launch choices: they never change which
+// products go into acc or in which order, so an element depends on row i of A, column j of B and
+// K only (row / batch and column invariance). The GPU tests prove every shipped config bitwise
+// equal.
 //
 // Split-K (rle_det_gemm_sm90_batched + rle_splitk_reduce; used only where the caller's split
 // table says S > 1, and none does yet): the same kernels run as a batched product over S
@@ -46,30 +48,37 @@ constexpr int kBlockK = 64;  // part of the numerics: every config walks K in bl
 constexpr int kStageK128 = 2 * kBlockK;
 
 // Launch configurations (performance only; see the numerics above).
+using NoCluster = Shape<_1, _1, _1>;
+
 struct CfgLarge {  // 128 x 256 tiles, two consumer warp groups share a tile
   using Tile = Shape<_128, _256, Int<kBlockK>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
 struct CfgMid {  // 64 x 128 tiles, two consumer warp groups alternate tiles
   using Tile = Shape<_64, _128, Int<kBlockK>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 struct CfgSquare {  // 128 x 128 tiles, two consumer warp groups share a tile: twice the CTAs of
                     // CfgLarge where its grid leaves SMs idle (M 257-1024 over N 4096-6144)
   using Tile = Shape<_128, _128, Int<kBlockK>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
 struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode sizes
   using Tile = Shape<_64, _64, Int<kBlockK>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 struct CfgNarrow {  // 64 x 32 tiles: twice CfgSmall's CTAs where N / 64 leaves SMs idle (the
                    // down / o projections at decode sizes: N 4096 is 64 small tiles on 132 SMs)
   using Tile = Shape<_64, _32, Int<kBlockK>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
@@ -78,13 +87,39 @@ struct CfgNarrow {  // 64 x 32 tiles: twice CfgSmall's CTAs where N / 64 leaves 
 // stages (barrier round trips, TMA issues) per column of K, and 256-byte rows per TMA box.
 struct CfgMidK128 {  // CfgMid's 64 x 128 tiles, 128 K columns a stage
   using Tile = Shape<_64, _128, Int<kStageK128>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 struct CfgSmallK128 {  // CfgSmall's 64 x 64 tiles, 128 K columns a stage
   using Tile = Shape<_64, _64, Int<kStageK128>>;
+  using Cluster = NoCluster;
   using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// Tiles whose grid fits the SMs where 128- and 256-column tiles leave a wave part empty: N 6,144
+// (the qkv projection) is 32 tiles of 192 columns, so M 512 is 128 `large192` tiles and M 256 is
+// 128 `mid192` tiles on 132 SMs, against 96 `large` / 192 `mid` tiles.
+struct CfgLarge192 {  // 128 x 192 tiles, two consumer warp groups share a tile
+  using Tile = Shape<_128, _192, Int<kBlockK>>;
+  using Cluster = NoCluster;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct CfgMid192 {  // 64 x 192 tiles, two consumer warp groups alternate tiles
+  using Tile = Shape<_64, _192, Int<kBlockK>>;
+  using Cluster = NoCluster;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+// CfgLarge's tiles in clusters of two along M: the two CTAs of a cluster share the B (weight)
+// tile, loaded once and multicast by TMA to both (half the weight traffic from L2 at long M).
+struct CfgLargeC2 {
+  using Tile = Shape<_128, _256, Int<kBlockK>>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
 
 template <class Elem, class LayoutA, class LayoutB, class ElemD, class Cfg>
@@ -96,7 +131,7 @@ struct GemmDef {
       cutlass::epilogue::fusion::LinearCombination<ElemD, float, void, float>>;
   static constexpr int kAlignAB = 16 / sizeof(Elem);
   static constexpr int kAlignD = 16 / sizeof(ElemD);
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = typename Cfg::Cluster;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
@@ -219,7 +254,7 @@ using RowMajor = cutlass::layout::RowMajor;
 using ColMajor = cutlass::layout::ColumnMajor;
 
 // One product (operand layouts, output element) of element type `E` at the launch config `cfg`
-// (RLE_CFG_*); kSmall: whether RLE_CFG_SMALL / _SQUARE / _NARROW / _*_K128 are built for it (not
+// (RLE_CFG_*); kSmall: whether the configs other than RLE_CFG_LARGE / _MID are built for it (not
 // for the fp32 weight gradient).
 template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
 int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
@@ -241,6 +276,15 @@ int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
     case RLE_CFG_SMALL_K128:
       if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmallK128>>(p);
       break;
+    case RLE_CFG_LARGE192:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLarge192>>(p);
+      break;
+    case RLE_CFG_MID192:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMid192>>(p);
+      break;
+    case RLE_CFG_LARGE_C2:
+      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLargeC2>>(p);
+      break;
   }
   set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);
   return -1;
@@ -260,6 +304,11 @@ int64_t run_slices_cfg(const rle_gemm_args* p, int cfg, const Batch& bt) {
       return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMidK128>>(p, bt);
     case RLE_CFG_SMALL_K128:
       return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmallK128>>(p, bt);
+    case RLE_CFG_LARGE192:
+      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLarge192>>(p, bt);
+    case RLE_CFG_MID192: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMid192>>(p, bt);
+    case RLE_CFG_LARGE_C2:
+      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLargeC2>>(p, bt);
   }
   set_error("unknown config %d", cfg);
   return -1;

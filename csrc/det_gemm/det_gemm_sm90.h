@@ -10,8 +10,9 @@
 extern "C" {
 #endif
 
-#define RLE_ABI_VERSION 4  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce; 3: RLE_CFG_NARROW;
-                           // 4: RLE_CFG_MID_K128, RLE_CFG_SMALL_K128
+#define RLE_ABI_VERSION 5  // 2: rle_det_gemm_sm90_batched, rle_splitk_reduce; 3: RLE_CFG_NARROW;
+                           // 4: RLE_CFG_MID_K128, RLE_CFG_SMALL_K128; 5: RLE_CFG_LARGE192,
+                           // RLE_CFG_MID192, RLE_CFG_LARGE_C2
 
 // dtype of the inputs
 #define RLE_BF16 0
@@ -33,6 +34,10 @@ extern "C" {
 // the same wgmma k16 steps in the same order (equal bits); K must be a multiple of 128
 #define RLE_CFG_MID_K128 5    // 64 x 128 x 128, ping-pong
 #define RLE_CFG_SMALL_K128 6  // 64 x 64 x 128, ping-pong
+// 192-column tiles (grids that fit the SMs where 128 / 256 columns leave a wave part empty)
+#define RLE_CFG_LARGE192 7  // 128 x 192 x 64, cooperative
+#define RLE_CFG_MID192 8    // 64 x 192 x 64, ping-pong
+#define RLE_CFG_LARGE_C2 9  // 128 x 256 x 64, cooperative, clusters of 2 along M (B multicast)
 
 typedef struct {
   int64_t m, n, k;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -139,10 +140,22 @@ def test_cuda_config_table():
     assert set(gemm_config.CUDA_TILES) == set(gemm_config.CUDA_CONFIGS)
 
 
+def test_cuda_config_indices_match_the_library_header():
+    """config.CUDA_CONFIGS names the library's RLE_CFG_* indices (det_gemm_sm90.h) one to one,
+    and the header's ABI version is the one the loader requires."""
+    header = (ROOT / "csrc" / "det_gemm" / "det_gemm_sm90.h").read_text()
+    defined = {
+        name.lower(): int(idx) for name, idx in re.findall(r"#define RLE_CFG_(\w+) (\d+)", header)
+    }
+    assert defined == gemm_config.CUDA_CONFIGS
+    (abi,) = re.findall(r"#define RLE_ABI_VERSION (\d+)", header)
+    assert int(abi) == gemm_cuda._ABI_VERSION
+
+
 def test_cuda_config_wave_model():
-    """Up to 16 rows `mid`; up to 256 `small` where its tiles fit one wave, else `mid`; above,
-    `square` where `large` tiles leave SMs idle in their last wave, `large` where its grid fills
-    the waves."""
+    """Up to 16 rows `mid`; up to 256 `small` where its tiles fit one wave, else the cheapest of
+    `mid` / `mid192` / `large` in the wave model; above, of `large` / `large192` / `square`, and
+    `large` as `large_c2` from CUDA_CLUSTER_M rows."""
     get = gemm_config.get_cuda_config
     assert [get(m, 4096, 4096) for m in (1, 16, 17, 64, 65, 128, 129, 256)] == [
         "mid", "mid", "small", "small", "small", "small", "mid", "mid"
@@ -152,27 +165,36 @@ def test_cuda_config_wave_model():
         "mid"
     }
     # short prefill: `small` while its grid is one wave: 64-column tiles x 64-row blocks
-    assert get(64, 8448, 4096, 132) == "small" and get(64, 8449, 4096, 132) == "mid"  # 132 / 133
-    assert get(128, 6144, 4096, 132) == "mid"  # 2 x 96 small tiles: two waves
+    assert get(64, 8448, 4096, 132) == "small" and get(64, 8449, 4096, 132) != "small"  # 132 / 133
+    assert get(128, 6144, 4096, 132) == "mid"  # 2 x 96 small tiles: two waves; 96 mid tiles: one
     assert get(128, 6144, 4096, 264) == "small"  # one wave of twice the SMs
-    assert get(64, 151936, 4096, 132) == "mid" and get(256, 4096, 4096, 132) == "mid"
+    # N 6144 at M 256: 192 mid tiles (two waves, the second 45% full) vs 128 mid192 tiles (one)
+    assert get(256, 6144, 4096, 132) == "mid192"
+    # N 28672 at M 128: 448 mid tiles (4 waves of a 0.8-efficient quarter tile) vs 112 large (1)
+    assert get(128, 28672, 4096, 132) == "large"
+    assert get(64, 151936, 4096, 132) == "mid192" and get(256, 4096, 4096, 132) == "mid"
     # M 512 over N 4096: 64 large tiles on 132 SMs (half the machine idle) vs 128 square tiles
     assert get(512, 4096, 4096, 132) == "square"
     assert get(512, 4096, 14336, 132) == "square"  # K does not enter
-    # M 1024 over N 4096: 128 large tiles, one wave: large
+    # N 6144: M 512 is 96 large tiles (73% of a wave) vs 128 large192 tiles (97%)
+    assert get(512, 6144, 4096, 132) == "large192"
+    assert get(1024, 6144, 4096, 132) == "large192"  # 256 large192 vs 192 large: two waves each
+    # M 1024 over N 4096: 128 large tiles, one wave: large; clusters from CUDA_CLUSTER_M rows
     assert get(1024, 4096, 4096, 132) == "large"
-    # N 6144: 192 large tiles (2 waves, the second 45% full) vs 384 square tiles (3 waves)
-    assert get(1024, 6144, 4096, 132) == "square"
-    assert get(8192, 4096, 4096, 132) == "large"
+    cm = gemm_config.CUDA_CLUSTER_M
+    assert get(cm - 1, 4096, 4096, 132) == "large" and get(cm, 4096, 4096, 132) == "large_c2"
+    assert get(8192, 4096, 4096, 132, cluster_m=1 << 30) == "large"
     # the SM count is the device's: on twice the SMs, 256 square tiles are one wave too
     assert get(1024, 4096, 4096, 264) == "square"
-    # the efficiency prior decides the close cases; 1.0: smaller tiles at no cost
-    assert get(1024, 4096, 4096, 132, square_efficiency=1.0) == "large"  # 1 wave vs 2 x half
-    assert get(512, 6144, 4096, 132, square_efficiency=0.85) == "large"
-    assert get(512, 6144, 4096, 132, square_efficiency=1.2) == "square"
+    # the efficiencies decide the close cases; 1.0: smaller tiles at no cost
+    assert get(1024, 4096, 4096, 132, {"square": 1.0}) == "large"  # 1 wave vs 2 x half
+    assert get(512, 6144, 4096, 132, {"large192": 0.7}) == "large"
+    assert get(512, 6144, 4096, 132, {"large192": 0.7, "square": 1.2}) == "square"
     cost = gemm_config.cuda_wave_cost
-    assert cost("large", 512, 4096, 132, 0.85) == cost("large", 1024, 4096, 132, 0.85) == 1.0
-    assert cost("square", 512, 4096, 132, 0.5) == 1.0
+    assert cost("large", 512, 4096, 132) == cost("large", 1024, 4096, 132) == 1.0
+    assert cost("square", 512, 4096, 132, {"square": 0.5}) == 1.0
+    with pytest.raises(ValueError, match="no efficiency for 'small'"):
+        cost("small", 512, 4096, 132)
 
 
 def test_build_script_present():
@@ -429,7 +451,7 @@ def test_library_split_k_argument_checks():
     import ctypes
 
     lib = gemm_cuda._lib()
-    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 4
+    assert lib.rle_abi_version() == gemm_cuda._ABI_VERSION == 5
     args = gemm_cuda._Args(4, 8, 64, None, 64, None, 64, None, None, 8, None, -1, None)
 
     def batched(product, batch, sa, sb, sd):
@@ -496,8 +518,8 @@ def test_cuda_config_with_splits():
     assert [get(64, 4096, 4096, 132, splits=s) for s in (1, 2, 4)] == ["small", "small", "mid"]
     assert get(1, 4096, 4096, 132, splits=8) == "mid"
     cost = gemm_config.cuda_wave_cost
-    assert cost("large", 512, 4096, 132, 0.85, splits=2) == 1.0  # 128 tiles: one wave
-    assert cost("large", 1024, 4096, 132, 0.85, splits=2) == 2.0
+    assert cost("large", 512, 4096, 132, splits=2) == 1.0  # 128 tiles: one wave
+    assert cost("large", 1024, 4096, 132, splits=2) == 2.0
     # the wave model above 256 rows sees S times the tiles
     assert get(512, 4096, 4096, 132, splits=2) == "large"
 
@@ -728,7 +750,9 @@ def test_linear_logp_native_equals_unfused(monkeypatch):
     fused = linear_logp(h, w, tok, 0.7, backend="native")
     unfused = logp(det_gemm(h, w.t()), tok, 0.7, backend="native")
     assert_bitwise(fused, unfused, "linear_logp[native] == logp(det_gemm[cuda])")
-    with pytest.raises(BackendUnavailableError, match="native provider"):
+    # the Triton provider's logits are Triton det_gemm bits: it refuses and names the providers
+    # that take the resolved det_gemm's logits
+    with pytest.raises(BackendUnavailableError, match="unfused provider .* or the native one"):
         linear_logp(h, w, tok, 0.7, backend="triton")
 
 

@@ -25,6 +25,7 @@ The table was tuned on an H200 with ``benchmarks/sweep_det_gemm.py`` (see
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,13 @@ __all__ = [
     "DetGemmConfig",
     "WgradConfig",
     "all_configs",
+    "CUDA_CLUSTER_M",
     "CUDA_CONFIGS",
     "CUDA_SPLIT_K",
     "CUDA_SPLIT_K_MAX_WORKSPACE",
     "CUDA_STAGE_K",
     "CUDA_TILES",
+    "CUDA_TILE_EFFICIENCY",
     "cuda_config_fits",
     "cuda_split_k_slices",
     "cuda_wave_cost",
@@ -254,11 +257,18 @@ CUDA_CONFIGS = {
     "narrow": 4,
     "mid_k128": 5,
     "small_k128": 6,
+    "large192": 7,
+    "mid192": 8,
+    "large_c2": 9,
 }
 # Output tile (rows, columns) of each: 128x256 cooperative, 64x128 / 64x64 / 64x32 ping-pong,
 # 128x128 cooperative (two consumer warp groups on one tile). `narrow` (twice `small`'s CTAs over
 # a narrow N at decode sizes) is built and tested but never chosen by get_cuda_config: timed
 # slower than `small` and `mid` at every decode row (H200, 2026-11-28; docs/operators/det_gemm.md).
+# `large192` (128x192 cooperative) and `mid192` (64x192 ping-pong) fill the SMs where 128- and
+# 256-column grids leave a wave part idle (N 6,144: 32 tiles of 192 columns); `large_c2` is
+# `large` in clusters of two CTAs along M that share the weight tile by TMA multicast. Built and
+# tested bitwise equal to the others (ABI 5); chosen by get_cuda_config only once timed.
 CUDA_TILES = {
     "large": (128, 256),
     "mid": (64, 128),
@@ -267,6 +277,9 @@ CUDA_TILES = {
     "narrow": (64, 32),
     "mid_k128": (64, 128),
     "small_k128": (64, 64),
+    "large192": (128, 192),
+    "mid192": (64, 192),
+    "large_c2": (128, 256),
 }
 # K columns a pipeline stage holds: 64 (one k-block), or 128 for the `*_k128` stagings of `mid` /
 # `small` (two k-blocks a stage, their k16 steps in the same order: the same bits). A 128 staging
@@ -277,13 +290,29 @@ CUDA_TILES = {
 # the provider loses are bound by the K walk's chain of dependent wgmma steps, not by staging.
 CUDA_STAGE_K = {c: 128 if c.endswith("_k128") else 64 for c in CUDA_CONFIGS}
 # Decode and short prefill (M <= _CUDA_SHORT_M rows): `mid` up to _CUDA_DECODE_M rows; above, `small`
-# where its tiles fit one wave, else `mid`. Above _CUDA_SHORT_M: the wave model.
+# where its tiles fit one wave, else the wave model over _CUDA_SHORT_CANDIDATES. Above
+# _CUDA_SHORT_M: the wave model over _CUDA_LONG_CANDIDATES.
 _CUDA_DECODE_M = 16
 _CUDA_SHORT_M = 256
-# Output elements a `square` tile computes per unit time relative to a `large` one (a smaller
-# tile reloads more operand bytes per FLOP). A prior of the wave model, to be fitted from the
-# per-config times of `bench_det_gemm_cuda.py --configs` (`benchmarks/fit_cuda_configs.py`).
-CUDA_SQUARE_EFFICIENCY = 0.85
+_CUDA_SHORT_CANDIDATES = ("mid", "mid192", "large")
+_CUDA_LONG_CANDIDATES = ("large", "large192", "square")
+# Output elements a tile computes per unit time relative to a `large` one (a smaller tile reloads
+# more operand bytes per FLOP): the wave model's efficiencies, fitted from the per-config times of
+# `bench_det_gemm_cuda.py --configs` by `benchmarks/fit_cuda_configs.py` (H200, 2026-11-29,
+# benchmarks/results/h200/session23_gpu: the choice is flat over mid 0.70-0.85, mid192 0.9,
+# large192 0.85-0.95, square 0.80-0.85; `square` 0.85 was the prior of the run before).
+CUDA_TILE_EFFICIENCY = {
+    "large": 1.0,
+    "large_c2": 1.0,
+    "large192": 0.95,
+    "square": 0.85,
+    "mid192": 0.9,
+    "mid": 0.8,
+}
+# From this many rows the model's `large` runs as `large_c2` (the same tiles in clusters of two
+# along M sharing the weight tile): +1-4% at M 4096 / 8192 on most products of the run above,
+# -6% at M 1024 (down_proj), so not below 4096.
+CUDA_CLUSTER_M = 4096
 # H100 / H200 SXM; the provider passes the device's own count.
 DEFAULT_SM_COUNT = 132
 CUDA_WGRAD_CONFIG = "large"
@@ -298,19 +327,27 @@ def cuda_config_fits(cfg: str, k: int) -> bool:
 
 
 def cuda_wave_cost(
-    cfg: str, m: int, n: int, sms: int, square_efficiency: float, splits: int = 1
+    cfg: str,
+    m: int,
+    n: int,
+    sms: int,
+    efficiency: Mapping[str, float] | None = None,
+    splits: int = 1,
 ) -> float:
     """The wave model's time of ``cfg`` on an [m, n] output, in units of one ``large`` tile's
     time: the persistent grid runs ``ceil(tiles / sms)`` waves of one tile per SM, each tile
-    costing its area (over its relative efficiency). A grid that leaves SMs idle in its last wave
-    pays for the whole wave: 64 ``large`` tiles (M 512 over N 4096) on 132 SMs take as long as
-    132. ``splits``: a split-K launch runs the tiles of every K slice (``splits`` times as many,
-    each over K / splits: the same unit cost is a prior, not measured)."""
+    costing its area over its efficiency (:data:`CUDA_TILE_EFFICIENCY`, entries of
+    ``efficiency`` replacing its own). A grid that leaves SMs idle in its last wave pays for the
+    whole wave: 64 ``large`` tiles (M 512 over N 4096) on 132 SMs take as long as 132.
+    ``splits``: a split-K launch runs the tiles of every K slice (``splits`` times as many, each
+    over K / splits: the same unit cost is a prior, not measured)."""
+    effs = {**CUDA_TILE_EFFICIENCY, **(efficiency or {})}
+    if cfg not in effs:
+        raise ValueError(f"det_gemm[cuda]: the wave model has no efficiency for {cfg!r}")
     bm, bn = CUDA_TILES[cfg]
     tiles = -(-m // bm) * -(-n // bn) * splits
     waves = -(-tiles // sms)
-    eff = square_efficiency if cfg == "square" else 1.0
-    return waves * (bm * bn) / (128 * 256) / eff
+    return waves * (bm * bn) / (128 * 256) / effs[cfg]
 
 
 def get_cuda_config(
@@ -318,8 +355,9 @@ def get_cuda_config(
     n: int,
     k: int,
     sms: int = DEFAULT_SM_COUNT,
-    square_efficiency: float = CUDA_SQUARE_EFFICIENCY,
+    efficiency: Mapping[str, float] | None = None,
     splits: int = 1,
+    cluster_m: int = CUDA_CLUSTER_M,
 ) -> str:
     """The ``cuda`` provider's tile configuration for an [m, k] x [k, n] product (numerics-free:
     every configuration gives the same bits).
@@ -329,33 +367,40 @@ def get_cuda_config(
         n: Output columns.
         k: The reduction length (no influence today: every configuration walks K alike).
         sms: The device's streaming multiprocessors (the grid is persistent: one CTA per SM).
-        square_efficiency: The wave model's ``square`` tile efficiency
-            (:data:`CUDA_SQUARE_EFFICIENCY`; the fitting script passes others).
+        efficiency: Tile efficiencies replacing :data:`CUDA_TILE_EFFICIENCY`'s (the fitting
+            script passes others).
         splits: The split-K count the product runs with (:func:`get_cuda_split_k`): its launch
-            has ``splits`` times the tiles (counted in both rules below). 1: today's choice.
+            has ``splits`` times the tiles (counted in every rule below). 1: today's choice.
+        cluster_m: Rows from which the model's ``large`` runs as ``large_c2``
+            (:data:`CUDA_CLUSTER_M`).
 
     Returns:
-        A name of :data:`CUDA_CONFIGS`. Up to 16 rows ``mid``; up to 256 rows ``small`` where
-        its tiles (times ``splits``) fit one wave of the SMs, else ``mid``; above that ``large``
-        or ``square``, whichever the wave model (:func:`cuda_wave_cost`) says is faster,
-        ``large`` on a tie.
+        A name of :data:`CUDA_CONFIGS`. Up to 16 rows ``mid``; up to 256 rows ``small`` where its
+        tiles (times ``splits``) fit one wave of the SMs, else the cheapest of ``mid``,
+        ``mid192`` and ``large`` in the wave model (:func:`cuda_wave_cost`); above, the cheapest
+        of ``large``, ``large192`` and ``square`` (``large_c2`` for ``large`` from ``cluster_m``
+        rows). Ties go to the earlier name.
     """
     # H200, graph replay, every config timed in one run (benchmarks/results/h200/session21_gpu,
     # bench_det_gemm_cuda.py --configs): at M 1 / 16 `mid` beat `small` on every N-4096 / 6144
     # product (down_proj 0.575 / 0.701 -> 0.606 / 0.731x cuBLAS, o_proj 0.640 / 0.751 -> 0.699 /
     # 0.815x) and on wide N by more (gate_up, the 151,936 LM head: 0.67 / 0.59 -> 0.85 / 0.91x at
     # M 1); from 17 rows `small` wins where its grid is one wave (o_proj / down_proj at M 128:
-    # 1.049 / 1.034x vs `mid` 0.945 / 0.905x) and loses where it needs two (qkv_proj at M 128:
-    # 0.80x vs 0.92x; o_proj at M 256: 0.95x vs 1.14x)
+    # 1.049 / 1.034x vs `mid` 0.945 / 0.905x). The 192-column tiles (session23_gpu) take the
+    # N-6144 rows whose 128- / 256-column grids leave a wave part idle (qkv_proj at M 256: `mid`
+    # 0.77x -> `mid192` 0.93x; M 512: `large` 0.84x -> `large192` 1.02x)
     if m <= _CUDA_DECODE_M:
         return "mid"
     if m <= _CUDA_SHORT_M:
         tm, tn = CUDA_TILES["small"]
-        return "small" if -(-m // tm) * -(-n // tn) * splits <= sms else "mid"
-    costs = {
-        c: cuda_wave_cost(c, m, n, sms, square_efficiency, splits) for c in ("large", "square")
-    }
-    return "square" if costs["square"] < costs["large"] else "large"
+        if -(-m // tm) * -(-n // tn) * splits <= sms:
+            return "small"
+        candidates = _CUDA_SHORT_CANDIDATES
+    else:
+        candidates = _CUDA_LONG_CANDIDATES
+    costs = [cuda_wave_cost(c, m, n, sms, efficiency, splits) for c in candidates]
+    best = candidates[costs.index(min(costs))]
+    return "large_c2" if best == "large" and m >= cluster_m else best
 
 
 # --- split-K of the ``cuda`` provider (machinery landed switched off) -----------------------------

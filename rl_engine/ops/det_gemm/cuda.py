@@ -64,8 +64,9 @@ __all__ = [
 ]
 
 LIB_NAME = "librl_engine_sm90.so"
-# 2: the split-K entry points; 3: the `narrow` tile configuration; 4: the `*_k128` stagings
-_ABI_VERSION = 4
+# 2: the split-K entry points; 3: the `narrow` tile configuration; 4: the `*_k128` stagings;
+# 5: the 192-column tiles `large192` / `mid192` and the clustered `large_c2`
+_ABI_VERSION = 5
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _NT, _NN, _WGRAD = 0, 1, 2  # the library's RLE_NT / RLE_NN / RLE_WGRAD
 _ALIGN = 8  # elements of a 16-bit operand per 16 bytes (TMA strides and base addresses)
