@@ -216,7 +216,38 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "sync_seconds_mean": sum(s["sync_seconds"] for s in steps) / len(steps),
         "rollout_seconds_mean": sum(s["rollout_seconds"] for s in steps) / len(steps),
         "train_seconds_mean": sum(s["train_seconds"] for s in steps) / len(steps),
+        # steps after the first (the first compiles and autotunes): what a long run's step costs
+        "rollout_seconds_steady": _mean_after_first(steps, "rollout_seconds"),
+        "train_seconds_steady": _mean_after_first(steps, "train_seconds"),
+        "first_step_seconds": steps[0]["step_seconds"],
     }
+
+
+def _mean_after_first(steps: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over steps 2..N; ``None`` for a one-step run."""
+    rest = [s[key] for s in steps[1:]]
+    return sum(rest) / len(rest) if rest else None
+
+
+def _step_times(s: dict[str, Any]) -> str:
+    """The summary line's per-step times: of steps 2..N where the run has them (the first step's
+    one-time compiles would dominate a short run's mean), else of the one step."""
+    if s.get("train_seconds_steady") is None:
+        return (
+            f"per step: rollout {s['rollout_seconds_mean']:.2f} s, trainer "
+            f"{s['train_seconds_mean']:.2f} s"
+        )
+    return (
+        f"per step after the first: rollout {s['rollout_seconds_steady']:.2f} s, trainer "
+        f"{s['train_seconds_steady']:.2f} s (step 1: {s['first_step_seconds']:.1f} s with its "
+        "compiles)"
+    )
+
+
+def _kernels(res: dict[str, Any]) -> str | None:
+    """The numerics families the configuration's process ran (its registry report), one line."""
+    families = sorted({p["numerics"] for p in res.get("provenance") or ()})
+    return "  kernels: " + ", ".join(families) if families else None
 
 
 def _loop(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
@@ -315,10 +346,11 @@ def _finish(args: argparse.Namespace, report: dict[str, Any], out_dir: str, work
             f"{name}: ratio over all tokens and steps {s['ratio_min']:.9f} .. "
             f"{s['ratio_max']:.9f}; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
             f"weight sync {1000 * s['sync_seconds_mean']:.1f} ms ({res['sync_method']}); "
-            f"per step: rollout {s['rollout_seconds_mean']:.2f} s, trainer "
-            f"{s['train_seconds_mean']:.2f} s; vLLM CUDA graphs: "
-            f"{'on' if res.get('vllm_cuda_graphs') else 'off'}"
+            f"{_step_times(s)}; vLLM CUDA graphs: {'on' if res.get('vllm_cuda_graphs') else 'off'}"
         )
+        kernels = _kernels(res)
+        if kernels is not None:
+            print(kernels)
     print(f"wrote {out_dir}/" + ", ".join(written))
     rl = report["configurations"].get("rl_engine")
     if rl is not None and not rl["summary"]["ratio_exactly_one_every_step"]:

@@ -259,6 +259,39 @@ def test_grpo_plot_failure_loses_nothing(tmp_path, monkeypatch, capsys):
     assert f"wrote {out}/grpo.json" in printed
 
 
+def test_grpo_summary_line_steady_times_and_kernels(tmp_path, monkeypatch, capsys):
+    """The closing lines give the per-step times of steps 2..N (step 1's compiles apart) and
+    the numerics families each configuration ran; a one-step run keeps the plain means."""
+    import argparse
+
+    from rl_engine.grpo import cli, plots
+
+    steps = [
+        dict(ratio_min=1.0, ratio_max=1.0, bitwise_equal_fraction=1.0, reward_mean=0.1,
+             sync_seconds=0.1, rollout_seconds=r, train_seconds=t, step_seconds=r + t + 0.1)
+        for r, t in ((9.0, 14.0), (0.8, 0.4), (0.9, 0.5))
+    ]  # fmt: skip
+    prov = [
+        {"op": "det_gemm", "device": "cuda", "provider": "cuda", "numerics": "det_gemm/cuda-sm90"},
+        {"op": "logp", "device": "cuda", "provider": "triton", "numerics": "logp/triton-v1024"},
+    ]
+    res = {"steps": steps, "sync_method": "reload_weights", "provenance": prov}
+    res["summary"] = cli.summarize(res)
+    assert res["summary"]["train_seconds_steady"] == pytest.approx(0.45)
+    assert res["summary"]["first_step_seconds"] == pytest.approx(23.1)
+    one = {"steps": steps[:1], "sync_method": "load_weights", "provenance": []}
+    one["summary"] = cli.summarize(one)
+    assert one["summary"]["train_seconds_steady"] is None
+    report = {"configurations": {"rl_engine": res, "stock": one}}
+    monkeypatch.setattr(cli, "_loop", lambda args, workdir: report)
+    monkeypatch.setattr(plots, "grpo_figure", lambda report, path: None)
+    assert cli.run(argparse.Namespace(out=str(tmp_path / "out"), gate=True)) == 0
+    printed = capsys.readouterr().out
+    assert "per step after the first: rollout 0.85 s, trainer 0.45 s (step 1: 23.1 s" in printed
+    assert "  kernels: det_gemm/cuda-sm90, logp/triton-v1024" in printed
+    assert "stock: " in printed and "per step: rollout 9.00 s, trainer 14.00 s" in printed
+
+
 @pytest.mark.vllm
 def test_grpo_moe_ratio_exactly_one_with_rl_engine_not_stock(tmp_path):
     """A mixture of experts with a shared expert (Qwen2-MoE) through the loop: the HF trainer's
