@@ -267,8 +267,9 @@ CUDA_CONFIGS = {
 # slower than `small` and `mid` at every decode row (H200, 2026-11-28; docs/operators/det_gemm.md).
 # `large192` (128x192 cooperative) and `mid192` (64x192 ping-pong) fill the SMs where 128- and
 # 256-column grids leave a wave part idle (N 6,144: 32 tiles of 192 columns); `large_c2` is
-# `large` in clusters of two CTAs along M that share the weight tile by TMA multicast. Built and
-# tested bitwise equal to the others (ABI 5); chosen by get_cuda_config only once timed.
+# `large` in clusters of two CTAs along M that share the weight tile by TMA multicast. Bitwise
+# equal to the others (ABI 5, GPU tests), timed on the H200 (2026-11-29) and in get_cuda_config's
+# wave model since.
 CUDA_TILES = {
     "large": (128, 256),
     "mid": (64, 128),
