@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -47,80 +48,51 @@ constexpr int kBlockK = 64;  // part of the numerics: every config walks K in bl
 // A pipeline stage of the *_K128 configs: two k-blocks (launch shape only, K % 128 == 0)
 constexpr int kStageK128 = 2 * kBlockK;
 
-// Launch configurations (performance only; see the numerics above).
-using NoCluster = Shape<_1, _1, _1>;
+// Launch configurations (performance only; see the numerics above): an output tile of
+// kM x kN with kK K columns a pipeline stage, clusters of kClusterM CTAs along M, and the
+// schedule: cooperative (two consumer warp groups share a tile) or ping-pong (they alternate
+// tiles, one computing while the other runs its epilogue).
+enum class Sched { kCooperative, kPingpong };
 
-struct CfgLarge {  // 128 x 256 tiles, two consumer warp groups share a tile
-  using Tile = Shape<_128, _256, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+template <int kM, int kN, int kK, int kClusterM, Sched kSched>
+struct Cfg {
+  using Tile = Shape<Int<kM>, Int<kN>, Int<kK>>;
+  using Cluster = Shape<Int<kClusterM>, _1, _1>;
+  static constexpr bool kCooperative = kSched == Sched::kCooperative;
+  using Mainloop =
+      std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using Epilogue =
+      std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                         cutlass::epilogue::TmaWarpSpecialized>;
 };
-struct CfgMid {  // 64 x 128 tiles, two consumer warp groups alternate tiles
-  using Tile = Shape<_64, _128, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-struct CfgSquare {  // 128 x 128 tiles, two consumer warp groups share a tile: twice the CTAs of
-                    // CfgLarge where its grid leaves SMs idle (M 257-1024 over N 4096-6144)
-  using Tile = Shape<_128, _128, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-struct CfgSmall {  // 64 x 64 tiles: more CTAs to stream the weight at decode sizes
-  using Tile = Shape<_64, _64, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-struct CfgNarrow {  // 64 x 32 tiles: twice CfgSmall's CTAs where N / 64 leaves SMs idle (the
-                   // down / o projections at decode sizes: N 4096 is 64 small tiles on 132 SMs)
-  using Tile = Shape<_64, _32, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
+constexpr Sched kCoop = Sched::kCooperative;
+constexpr Sched kPing = Sched::kPingpong;
 
+// 128 x 256 tiles, cooperative
+using CfgLarge = Cfg<128, 256, kBlockK, 1, kCoop>;
+// 64 x 128 tiles, ping-pong
+using CfgMid = Cfg<64, 128, kBlockK, 1, kPing>;
+// 128 x 128 tiles, cooperative: twice the CTAs of CfgLarge where its grid leaves SMs idle
+// (M 257-1024 over N 4096-6144)
+using CfgSquare = Cfg<128, 128, kBlockK, 1, kCoop>;
+// 64 x 64 tiles, ping-pong: more CTAs to stream the weight at decode sizes
+using CfgSmall = Cfg<64, 64, kBlockK, 1, kPing>;
+// 64 x 32 tiles, ping-pong: twice CfgSmall's CTAs where N / 64 leaves SMs idle (the down / o
+// projections at decode sizes: N 4096 is 64 small tiles on 132 SMs)
+using CfgNarrow = Cfg<64, 32, kBlockK, 1, kPing>;
 // Decode and short prefill stream the weight through few k16 steps per stage: half the pipeline
 // stages (barrier round trips, TMA issues) per column of K, and 256-byte rows per TMA box.
-struct CfgMidK128 {  // CfgMid's 64 x 128 tiles, 128 K columns a stage
-  using Tile = Shape<_64, _128, Int<kStageK128>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-struct CfgSmallK128 {  // CfgSmall's 64 x 64 tiles, 128 K columns a stage
-  using Tile = Shape<_64, _64, Int<kStageK128>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
+using CfgMidK128 = Cfg<64, 128, kStageK128, 1, kPing>;    // CfgMid's tiles, 128 K columns a stage
+using CfgSmallK128 = Cfg<64, 64, kStageK128, 1, kPing>;   // CfgSmall's, 128 K columns a stage
 // Tiles whose grid fits the SMs where 128- and 256-column tiles leave a wave part empty: N 6,144
 // (the qkv projection) is 32 tiles of 192 columns, so M 512 is 128 `large192` tiles and M 256 is
 // 128 `mid192` tiles on 132 SMs, against 96 `large` / 192 `mid` tiles.
-struct CfgLarge192 {  // 128 x 192 tiles, two consumer warp groups share a tile
-  using Tile = Shape<_128, _192, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-struct CfgMid192 {  // 64 x 192 tiles, two consumer warp groups alternate tiles
-  using Tile = Shape<_64, _192, Int<kBlockK>>;
-  using Cluster = NoCluster;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
+using CfgLarge192 = Cfg<128, 192, kBlockK, 1, kCoop>;
+using CfgMid192 = Cfg<64, 192, kBlockK, 1, kPing>;
 // CfgLarge's tiles in clusters of two along M: the two CTAs of a cluster share the B (weight)
 // tile, loaded once and multicast by TMA to both (half the weight traffic from L2 at long M).
-struct CfgLargeC2 {
-  using Tile = Shape<_128, _256, Int<kBlockK>>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Mainloop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
+using CfgLargeC2 = Cfg<128, 256, kBlockK, 2, kCoop>;
 
 template <class Elem, class LayoutA, class LayoutB, class ElemD, class Cfg>
 struct GemmDef {
