@@ -225,65 +225,50 @@ int64_t run_gemm(const rle_gemm_args* p, const Batch& bt = Batch{}) {
 using RowMajor = cutlass::layout::RowMajor;
 using ColMajor = cutlass::layout::ColumnMajor;
 
+// Calls f(C{}) with C the launch configuration RLE_CFG_* `cfg` names (an empty tag object; f
+// takes it as `auto` and instantiates its GEMM for that type) and returns what f returns; an
+// unknown `cfg`: -1 with the reason.
+template <class F>
+int64_t with_cfg(int cfg, F&& f) {
+  switch (cfg) {
+    case RLE_CFG_LARGE: return f(CfgLarge{});
+    case RLE_CFG_MID: return f(CfgMid{});
+    case RLE_CFG_SMALL: return f(CfgSmall{});
+    case RLE_CFG_SQUARE: return f(CfgSquare{});
+    case RLE_CFG_NARROW: return f(CfgNarrow{});
+    case RLE_CFG_MID_K128: return f(CfgMidK128{});
+    case RLE_CFG_SMALL_K128: return f(CfgSmallK128{});
+    case RLE_CFG_LARGE192: return f(CfgLarge192{});
+    case RLE_CFG_MID192: return f(CfgMid192{});
+    case RLE_CFG_LARGE_C2: return f(CfgLargeC2{});
+  }
+  set_error("unknown config %d", cfg);
+  return -1;
+}
+
 // One product (operand layouts, output element) of element type `E` at the launch config `cfg`
 // (RLE_CFG_*); kSmall: whether the configs other than RLE_CFG_LARGE / _MID are built for it (not
 // for the fp32 weight gradient).
 template <class E, class LayoutA, class LayoutB, class ElemD, bool kSmall>
 int64_t run_gemm_cfg(const rle_gemm_args* p, int cfg) {
-  switch (cfg) {
-    case RLE_CFG_LARGE: return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLarge>>(p);
-    case RLE_CFG_MID: return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMid>>(p);
-    case RLE_CFG_SMALL:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmall>>(p);
-      break;
-    case RLE_CFG_SQUARE:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSquare>>(p);
-      break;
-    case RLE_CFG_NARROW:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgNarrow>>(p);
-      break;
-    case RLE_CFG_MID_K128:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMidK128>>(p);
-      break;
-    case RLE_CFG_SMALL_K128:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgSmallK128>>(p);
-      break;
-    case RLE_CFG_LARGE192:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLarge192>>(p);
-      break;
-    case RLE_CFG_MID192:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgMid192>>(p);
-      break;
-    case RLE_CFG_LARGE_C2:
-      if constexpr (kSmall) return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, CfgLargeC2>>(p);
-      break;
-  }
-  set_error(kSmall ? "unknown config %d" : "unknown wgrad config %d", cfg);
-  return -1;
+  return with_cfg(cfg, [&](auto c) -> int64_t {
+    using C = decltype(c);
+    if constexpr (kSmall || std::is_same_v<C, CfgLarge> || std::is_same_v<C, CfgMid>) {
+      return run_gemm<GemmDef<E, LayoutA, LayoutB, ElemD, C>>(p);
+    } else {
+      set_error("config %d is not built for the weight gradient (large, mid are)", cfg);
+      return -1;
+    }
+  });
 }
 
 // The K slices of split-K: product `LayoutB` (ColMajor: RLE_NT, RowMajor: RLE_NN) with fp32
 // output and no bias, batched over the slices, at the launch config `cfg` (every RLE_CFG_*).
 template <class E, class LayoutB>
 int64_t run_slices_cfg(const rle_gemm_args* p, int cfg, const Batch& bt) {
-  switch (cfg) {
-    case RLE_CFG_LARGE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLarge>>(p, bt);
-    case RLE_CFG_MID: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMid>>(p, bt);
-    case RLE_CFG_SMALL: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmall>>(p, bt);
-    case RLE_CFG_SQUARE: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSquare>>(p, bt);
-    case RLE_CFG_NARROW: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgNarrow>>(p, bt);
-    case RLE_CFG_MID_K128:
-      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMidK128>>(p, bt);
-    case RLE_CFG_SMALL_K128:
-      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgSmallK128>>(p, bt);
-    case RLE_CFG_LARGE192:
-      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLarge192>>(p, bt);
-    case RLE_CFG_MID192: return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgMid192>>(p, bt);
-    case RLE_CFG_LARGE_C2:
-      return run_gemm<GemmDef<E, RowMajor, LayoutB, float, CfgLargeC2>>(p, bt);
-  }
-  set_error("unknown config %d", cfg);
-  return -1;
+  return with_cfg(cfg, [&](auto c) -> int64_t {
+    return run_gemm<GemmDef<E, RowMajor, LayoutB, float, decltype(c)>>(p, bt);
+  });
 }
 
 // Defines gemm_<NAME>_nt_slices and _nn_slices (rle_det_gemm_sm90_batched's products) for the

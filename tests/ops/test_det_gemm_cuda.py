@@ -445,6 +445,29 @@ def test_split_invalid_raises(monkeypatch, captured_launches):
 
 
 @pytest.mark.skipif(gemm_cuda._load()[0] is None, reason="librl_engine_sm90.so not built")
+def test_library_config_argument_checks():
+    """The built library (no GPU needed: these fail before touching CUDA) refuses a config
+    index it does not know, and the weight gradient at a config it is not built for."""
+    import ctypes
+
+    lib = gemm_cuda._lib()
+    # K 128: a K every staging runs (the *_k128 ones refuse K % 128 != 0 before the dispatch)
+    args = gemm_cuda._Args(4, 8, 128, None, 128, None, 128, None, None, 8, None, -1, None)
+    nt, wgrad = 0, 2
+    for product in (nt, wgrad):
+        rc = lib.rle_det_gemm_sm90(0, product, 99, ctypes.byref(args))
+        assert rc == -1 and "unknown config 99" in lib.rle_last_error().decode()
+    rc = lib.rle_det_gemm_sm90_batched(0, nt, 99, 2, 64, 64, 64, ctypes.byref(args))
+    assert rc == -1 and "unknown config 99" in lib.rle_last_error().decode()
+    for name, idx in gemm_config.CUDA_CONFIGS.items():
+        if name in ("large", "mid"):
+            continue
+        rc = lib.rle_det_gemm_sm90(0, wgrad, idx, ctypes.byref(args))
+        err = lib.rle_last_error().decode()
+        assert rc == -1 and f"config {idx} is not built for the weight gradient" in err, name
+
+
+@pytest.mark.skipif(gemm_cuda._load()[0] is None, reason="librl_engine_sm90.so not built")
 def test_library_split_k_argument_checks():
     """The built library (no GPU needed: every call fails its checks before touching CUDA)
     refuses split-K arguments it cannot run, with the reason."""
