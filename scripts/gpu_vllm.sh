@@ -80,6 +80,11 @@ for step in ${STEPS:-e2e}; do
   echo "$step exit status: $rc" | tee -a "$OUT/steps.txt"
   [ "$rc" = 0 ] || status=1
 done
-tar -czf "$OUT/results.tgz" -C "$ROOT/benchmarks/results" "$GPU" 2>/dev/null
+# results.tgz: the benchmark results, and the e2e step's result files and logs (not its model
+# checkpoints): a device call returns few files, and a step cut off by its limit writes no summary,
+# but `scripts/gpu_vllm_e2e.py --summarize` recomputes it from these files
+work=()
+[ -d "$OUT/gpu_vllm_e2e" ] && work=(-C "$OUT" --exclude='model_*' gpu_vllm_e2e)
+tar -czf "$OUT/results.tgz" -C "$ROOT/benchmarks/results" "$GPU" "${work[@]}" 2>/dev/null
 cat "$OUT/steps.txt"
 exit $status

@@ -130,6 +130,16 @@ def _workload(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def _now(timestamp: float | None = None) -> str:
+    """UTC ISO time of ``timestamp`` (seconds since the epoch; default now), to the second."""
+    import datetime
+
+    t = datetime.datetime.fromtimestamp(
+        time.time() if timestamp is None else timestamp, datetime.timezone.utc
+    )
+    return t.isoformat(timespec="seconds")
+
+
 def _pct(equal: int, total: int) -> float:
     return round(100.0 * equal / total, 2) if total else float("nan")
 
@@ -229,6 +239,12 @@ def _rollout(args) -> dict:
         res["provenance"] = prov
     res["vllm_version"] = __import__("vllm").__version__
     res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    from rl_engine.run_info import code_hash
+
+    res["code_hash"] = code_hash()  # so that --summarize can name the code and date of the run
+    res["date"] = _now()
+    res["torch"] = torch.__version__
+    res["triton"] = __import__("triton").__version__
     return res
 
 
@@ -315,10 +331,87 @@ def _families(records: list[dict]) -> dict[str, set[str]]:
     return fam
 
 
-def _drive(args) -> int:
+def _arch_rows(
+    files: dict[str, str], trainer: dict | None, want_gemm: str | None, res: dict
+) -> bool:
+    """The comparison rows of one model into ``res`` (``res[name]`` for each rollout in
+    ``files``: "plugin" / "stock" -> its result JSON) against the trainers' ``trainer`` result;
+    returns whether every plugin check holds (100% and provenance)."""
     from rl_engine.drift.metrics import provenance_check
+
+    ok = True
+    for name, f in files.items():
+        r = json.loads(Path(f).read_text())
+        row = {
+            "engine_start_s": r["engine_start_s"],
+            "tokens_equal_alone_pct": _same_tokens(r["batch_tokens"], r["alone_tokens"]),
+            "a_batch_vs_alone": _compare(r["batch_logprobs"], r["alone_logprobs"]),
+            "c_prefix_hit_rerun": _compare(r["batch_logprobs"], r["again_logprobs"]),
+        }
+        if trainer is not None:
+            for side in ("hf", "megatron"):
+                ref = trainer[side].get(name) if trainer.get(side) else None
+                if ref is not None:
+                    row[f"b_vs_{side}"] = _compare(r["batch_logprobs"], ref)
+            if trainer["errors"]:
+                row["trainer_errors"] = trainer["errors"]
+        if name == "plugin":
+            prov = r.get("provenance") or [{}]
+            e: dict = {"require_routing": r.get("require_routing"), "workers": len(prov)}
+            e["unroutable"] = [
+                u for p in prov for m in p.get("models", []) for u in m["unroutable"]
+            ]
+            e["routed_layers"] = prov[0].get("models", [{}])[-1].get("routed")
+            e["model_runner"] = prov[0].get("models", [{}])[-1].get("model_runner")
+            e["logp_executed_calls"] = min(p.get("executed", {}).get("logp_calls", 0) for p in prov)
+            rollout_fam = _families([x for p in prov for x in p.get("registry", [])])
+            trainer_fam = _families(trainer["registry"]) if trainer else {}
+            common = sorted(set(rollout_fam) & set(trainer_fam))
+            e["families_rollout"] = {k: sorted(v) for k, v in rollout_fam.items()}
+            e["families_trainer"] = {k: sorted(v) for k, v in trainer_fam.items()}
+            # the ops both resolved, and the reduction of the TP-sharded GEMMs (plain
+            # det_gemm on one side, the grouped det_gemm_tp on the other is a mismatch)
+            check = provenance_check(
+                [x for p in prov for x in p.get("registry", [])],
+                trainer["registry"] if trainer else [],
+            )
+            e["family_problems"] = check["problems"]
+            e["same_families"] = (
+                bool(common)
+                and all(rollout_fam[k] == trainer_fam[k] for k in common)
+                and not check["mismatches"]
+            )
+            if want_gemm:  # the pinned family ran on both sides, and only it
+                e["det_gemm_family"] = {
+                    "rollout": sorted(rollout_fam.get("det_gemm", ())),
+                    "trainer": sorted(trainer_fam.get("det_gemm", ())),
+                }
+                e["det_gemm_pinned"] = all(v == [want_gemm] for v in e["det_gemm_family"].values())
+            e["ok"] = (
+                e["require_routing"] == "ok"
+                and not e["unroutable"]
+                and e["logp_executed_calls"] > 0
+                and e["same_families"]
+                and e.get("det_gemm_pinned", True)
+            )
+            row["e_provenance"] = e
+            checks = [row["a_batch_vs_alone"], row["c_prefix_hit_rerun"]]
+            checks += [row[k] for k in ("b_vs_hf", "b_vs_megatron") if k in row]
+            row["all_100"] = all(c["equal_pct"] == 100.0 for c in checks) and e["ok"]
+            ok = ok and row["all_100"] and "b_vs_megatron" in row and "b_vs_hf" in row
+        res[name] = row
+    return ok
+
+
+def _make_model(arch: str, path: Path) -> None:
+    """The random checkpoint of ``MODELS[arch]`` at ``path`` (kept when already there)."""
     from rl_engine.testing.tiny_models import make_tiny_model
 
+    if not (path / "config.json").exists():
+        make_tiny_model(path, dtype="bfloat16", seed=1, initializer_range=0.02, **MODELS[arch])
+
+
+def _drive(args) -> int:
     out = Path(args.out or os.environ.get("OUT") or "out").resolve()
     work = out / "gpu_vllm_e2e"
     work.mkdir(parents=True, exist_ok=True)
@@ -336,15 +429,13 @@ def _drive(args) -> int:
         # log-softmax the rollout's logp runs on its own (the native one would add the native
         # log-softmax: 83.8% equal to a Triton-logp rollout on an H200, 2026-11-28)
         os.environ["RL_ENGINE_BACKEND_LINEAR_LOGP"] = "unfused"
-    import datetime
-
     import torch
     import triton
 
     summary: dict = {
         "quick": args.quick,
         "temperature": TEMPERATURE,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -352,11 +443,16 @@ def _drive(args) -> int:
         "det_gemm": args.det_gemm,
     }
     ok = True
+    from rl_engine.run_info import code_hash
+
+    summary["code_hash"] = code_hash()
+    summary["complete"] = False  # until every model is done: a cut-off run keeps what finished
+
+    def write_summary() -> None:
+        (out / "gpu_vllm_e2e.json").write_text(json.dumps(summary, indent=1, default=str))
+
     for arch in archs:
-        spec = dict(MODELS[arch])
         path = work / f"model_{arch}"
-        if not (path / "config.json").exists():
-            make_tiny_model(path, dtype="bfloat16", seed=1, initializer_range=0.02, **spec)
         res: dict = {}
         files = {}
         for name, env in (
@@ -364,10 +460,15 @@ def _drive(args) -> int:
             ("stock", {"RL_ENGINE_VLLM": "0"}),
         ):
             f = work / f"{arch}_{name}.json"
-            if args.reuse and f.exists():  # a rollout an earlier (cut-off) run left here
+            if (args.reuse or args.summarize) and f.exists():  # left by an earlier (cut-off) run
                 print(f"  rollout {name}: reusing {f}")
                 files[name] = str(f)
                 continue
+            if args.summarize:
+                res[f"{name}_error"] = f"--summarize: no {f}"
+                ok = False
+                continue
+            _make_model(arch, path)
             left = max(60.0, deadline - time.perf_counter())
             rc = _sub(
                 "rollout",
@@ -382,7 +483,15 @@ def _drive(args) -> int:
                 res[f"{name}_error"] = f"rollout exit {rc}; see {work / f'{arch}_{name}.log'}"
                 ok = False
         tf = work / f"{arch}_trainer.json"
-        if files:
+        trainer = None
+        if files and (args.reuse or args.summarize) and tf.exists():
+            print(f"  trainer: reusing {tf}")
+            trainer = json.loads(tf.read_text())
+        elif files and args.summarize:
+            res["trainer_error"] = f"--summarize: no {tf}"
+            ok = False
+        elif files:
+            _make_model(arch, path)
             left = max(60.0, deadline - time.perf_counter())
             rc = _sub(
                 "trainer",
@@ -395,83 +504,24 @@ def _drive(args) -> int:
             if trainer is None:
                 res["trainer_error"] = f"trainer exit {rc}; see {work / f'{arch}_trainer.log'}"
                 ok = False
-        else:
-            trainer = None
-        for name, f in files.items():
-            r = json.loads(Path(f).read_text())
-            row = {
-                "engine_start_s": r["engine_start_s"],
-                "tokens_equal_alone_pct": _same_tokens(r["batch_tokens"], r["alone_tokens"]),
-                "a_batch_vs_alone": _compare(r["batch_logprobs"], r["alone_logprobs"]),
-                "c_prefix_hit_rerun": _compare(r["batch_logprobs"], r["again_logprobs"]),
-            }
-            if trainer is not None:
-                for side in ("hf", "megatron"):
-                    ref = trainer[side].get(name) if trainer.get(side) else None
-                    if ref is not None:
-                        row[f"b_vs_{side}"] = _compare(r["batch_logprobs"], ref)
-                if trainer["errors"]:
-                    row["trainer_errors"] = trainer["errors"]
-            if name == "plugin":
-                prov = r.get("provenance") or [{}]
-                e: dict = {"require_routing": r.get("require_routing"), "workers": len(prov)}
-                e["unroutable"] = [
-                    u for p in prov for m in p.get("models", []) for u in m["unroutable"]
-                ]
-                e["routed_layers"] = prov[0].get("models", [{}])[-1].get("routed")
-                e["model_runner"] = prov[0].get("models", [{}])[-1].get("model_runner")
-                e["logp_executed_calls"] = min(
-                    p.get("executed", {}).get("logp_calls", 0) for p in prov
-                )
-                rollout_fam = _families([x for p in prov for x in p.get("registry", [])])
-                trainer_fam = _families(trainer["registry"]) if trainer else {}
-                common = sorted(set(rollout_fam) & set(trainer_fam))
-                e["families_rollout"] = {k: sorted(v) for k, v in rollout_fam.items()}
-                e["families_trainer"] = {k: sorted(v) for k, v in trainer_fam.items()}
-                # the ops both resolved, and the reduction of the TP-sharded GEMMs (plain
-                # det_gemm on one side, the grouped det_gemm_tp on the other is a mismatch)
-                check = provenance_check(
-                    [x for p in prov for x in p.get("registry", [])],
-                    trainer["registry"] if trainer else [],
-                )
-                e["family_problems"] = check["problems"]
-                e["same_families"] = (
-                    bool(common)
-                    and all(rollout_fam[k] == trainer_fam[k] for k in common)
-                    and not check["mismatches"]
-                )
-                if want_gemm:  # the pinned family ran on both sides, and only it
-                    e["det_gemm_family"] = {
-                        "rollout": sorted(rollout_fam.get("det_gemm", ())),
-                        "trainer": sorted(trainer_fam.get("det_gemm", ())),
-                    }
-                    e["det_gemm_pinned"] = all(
-                        v == [want_gemm] for v in e["det_gemm_family"].values()
-                    )
-                e["ok"] = (
-                    e["require_routing"] == "ok"
-                    and not e["unroutable"]
-                    and e["logp_executed_calls"] > 0
-                    and e["same_families"]
-                    and e.get("det_gemm_pinned", True)
-                )
-                row["e_provenance"] = e
-                checks = [row["a_batch_vs_alone"], row["c_prefix_hit_rerun"]]
-                checks += [row[k] for k in ("b_vs_hf", "b_vs_megatron") if k in row]
-                row["all_100"] = all(c["equal_pct"] == 100.0 for c in checks) and e["ok"]
-                ok = ok and row["all_100"] and "b_vs_megatron" in row and "b_vs_hf" in row
-            res[name] = row
+        ok = _arch_rows(files, trainer, want_gemm, res) and ok
         summary["archs"][arch] = res
-        summary["vllm_version"] = (
-            json.loads(Path(files["plugin"]).read_text())["vllm_version"]
-            if "plugin" in files
-            else None
-        )
-    summary["ok"] = ok
-    from rl_engine.run_info import code_hash
-
-    summary["code_hash"] = code_hash()
-    (out / "gpu_vllm_e2e.json").write_text(json.dumps(summary, indent=1, default=str))
+        if "plugin" in files:
+            first = json.loads(Path(files["plugin"]).read_text())
+            summary["vllm_version"] = first["vllm_version"]
+            if args.summarize:  # the machine and code the rollouts ran on, not this one's
+                summary["device"] = first.get("device", "unknown")
+                summary["code_hash"] = first.get("code_hash") or args.code_hash
+                # older rollout files record no date: the file's time (kept by the copy back)
+                summary["date"] = first.get("date") or _now(Path(files["plugin"]).stat().st_mtime)
+                prov0 = (first.get("provenance") or [{}])[0]
+                summary["torch"] = first.get("torch") or prov0.get("torch_version")
+                summary["triton"] = first.get("triton")  # None: an older run did not record it
+                summary["summarized"] = f"recomputed with --summarize on {_now()}"
+        summary["ok"] = ok
+        write_summary()
+    summary["complete"] = True
+    write_summary()
     # short table, last
     print(
         f"\nrl_engine vLLM plugin, GPU end to end (vLLM {summary.get('vllm_version')}), % bitwise equal"
@@ -521,8 +571,21 @@ def main() -> int:
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="take the rollout results an earlier run left in <out>/gpu_vllm_e2e/ instead of "
-        "rerunning those engines (the trainers and every comparison still run)",
+        help="take the rollout and trainer results an earlier run left in <out>/gpu_vllm_e2e/ "
+        "instead of rerunning them (what is missing runs; every comparison runs)",
+    )
+    p.add_argument(
+        "--summarize",
+        action="store_true",
+        help="run nothing: recompute <out>/gpu_vllm_e2e.json and the table from the result "
+        "files in <out>/gpu_vllm_e2e/ (a run cut off by a time limit, its files copied back; "
+        "no GPU needed); what is missing is reported as an error",
+    )
+    p.add_argument(
+        "--code-hash",
+        default=None,
+        help="with --summarize: the code hash of the run whose files are summarized, where its "
+        "rollout files do not record one (older runs)",
     )
     p.add_argument("--budget", type=int, default=BUDGET, help=argparse.SUPPRESS)  # CPU smoke
     args = p.parse_args()
