@@ -455,6 +455,7 @@ def _drive(args) -> int:
         path = work / f"model_{arch}"
         res: dict = {}
         files = {}
+        ran = False  # a rollout ran now: an earlier trainer result scored other tokens
         for name, env in (
             ("plugin", {"RL_ENGINE_VLLM": "1"}),
             ("stock", {"RL_ENGINE_VLLM": "0"}),
@@ -469,6 +470,7 @@ def _drive(args) -> int:
                 ok = False
                 continue
             _make_model(arch, path)
+            ran = True
             left = max(60.0, deadline - time.perf_counter())
             rc = _sub(
                 "rollout",
@@ -484,7 +486,7 @@ def _drive(args) -> int:
                 ok = False
         tf = work / f"{arch}_trainer.json"
         trainer = None
-        if files and (args.reuse or args.summarize) and tf.exists():
+        if files and (args.reuse or args.summarize) and tf.exists() and not ran:
             print(f"  trainer: reusing {tf}")
             trainer = json.loads(tf.read_text())
         elif files and args.summarize:
