@@ -239,12 +239,10 @@ def _rollout(args) -> dict:
         res["provenance"] = prov
     res["vllm_version"] = __import__("vllm").__version__
     res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    from rl_engine.run_info import code_hash
+    from rl_engine.run_info import environment
 
-    res["code_hash"] = code_hash()  # so that --summarize can name the code and date of the run
-    res["date"] = _now()
-    res["torch"] = torch.__version__
-    res["triton"] = __import__("triton").__version__
+    # code hash, versions, date: what --summarize names
+    res["environment"] = environment("cuda" if torch.cuda.is_available() else "cpu")
     return res
 
 
@@ -513,12 +511,14 @@ def _drive(args) -> int:
             summary["vllm_version"] = first["vllm_version"]
             if args.summarize:  # the machine and code the rollouts ran on, not this one's
                 summary["device"] = first.get("device", "unknown")
-                summary["code_hash"] = first.get("code_hash") or args.code_hash
-                # older rollout files record no date: the file's time (kept by the copy back)
-                summary["date"] = first.get("date") or _now(Path(files["plugin"]).stat().st_mtime)
+                env = first.get("environment") or {}  # older rollout files record none
+                ver = env.get("versions") or {}
                 prov0 = (first.get("provenance") or [{}])[0]
-                summary["torch"] = first.get("torch") or prov0.get("torch_version")
-                summary["triton"] = first.get("triton")  # None: an older run did not record it
+                summary["code_hash"] = env.get("code_hash") or args.code_hash
+                # else the file's time (kept by the copy back)
+                summary["date"] = env.get("date") or _now(Path(files["plugin"]).stat().st_mtime)
+                summary["torch"] = ver.get("torch") or prov0.get("torch_version")
+                summary["triton"] = ver.get("triton")  # None: not recorded by an older run
                 summary["summarized"] = f"recomputed with --summarize on {_now()}"
         summary["ok"] = ok
         write_summary()

@@ -37,10 +37,11 @@ def _rollout(logprobs: list[list[float]], plugin: bool) -> dict:
         "again_logprobs": logprobs,
         "vllm_version": "0.24.0",
         "device": "NVIDIA H200",
-        "code_hash": "0123456789abcdef",
-        "date": "2026-11-29T03:00:00+00:00",
-        "torch": "2.11.0+cu130",
-        "triton": "3.6.0",
+        "environment": {
+            "code_hash": "0123456789abcdef",
+            "date": "2026-11-29T03:00:00+00:00",
+            "versions": {"torch": "2.11.0+cu130", "triton": "3.6.0"},
+        },
     }
     if plugin:
         res["require_routing"] = "ok"
